@@ -1,0 +1,493 @@
+"""One tree of dataclasses, mirrored 1:1 by the sections of a TOML file.
+
+    python -m reflow_hpc.config CONFIG [--set section.key=value ...]   # resolved config as TOML
+    python -m reflow_hpc.config --reference                           # docs/config.md
+
+Every field carries its documentation and its bounds in ``field(metadata=...)``; the loader, the
+validator and the reference page all read them from there, so the three cannot drift apart.
+A bad file or override ends in exactly one line,
+``config error: <key> = <value>: <why>``, and exit code 2 (see :func:`main_guard`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+
+class ConfigError(Exception):
+    """A config value that cannot be used: names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, why: str):
+        self.key, self.value, self.why = key, value, why
+        super().__init__(f"config error: {key} = {_show(value)}: {why}")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace('"', '\\"') + '"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+def opt(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None, choices: tuple | None = None) -> Any:
+    """A config field: default, one-line documentation and the allowed range."""
+    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class RunConfig:
+    """Identity of a run, where it writes, and how long any wait may last."""
+    name: str = opt("reflow", "Run name; the run directory is `output_dir/name`.")
+    output_dir: str = opt("runs", "Parent directory of run directories (shared file system on a cluster).")
+    seed: int = opt(0, "Seed of every random stream (prompts, sampling, replay sampler, init).", ge=0)
+    timeout_s: float = opt(120.0, "Upper bound of every wait on another rank (handshake, control "
+                                  "message, fetch, collective); the error names the rank and the operation.", gt=0)
+    poll_min_s: float = opt(0.0001, "First back-off of a thread polling MPI for messages.", gt=0)
+    poll_max_s: float = opt(0.01, "Longest back-off of a polling thread (bounds message latency when idle).", gt=0)
+    mpiexec: str = opt("mpiexec", "Launcher used when `reflow_hpc.run` is started without MPI "
+                                  "(it relaunches itself with `-n resources.workers`).")
+
+
+@dataclass
+class ModelConfig:
+    """The policy."""
+    path: str = opt("models/tiny-qwen3-arith", "Hugging Face model directory (config.json, weights, tokenizer).")
+    warmstart: bool = opt(False, "Build and SFT-train the tiny CPU policy into `path` when it does not exist yet.")
+    dtype: str = opt("float32", "Parameter dtype of trainer and rollout engine.",
+                     choices=("float32", "bfloat16", "float16"))
+
+
+@dataclass
+class DataConfig:
+    """Prompt files for tasks that read them."""
+    path: str = opt("", "JSONL or parquet file of prompts and answers (tasks that read a file, e.g. math_boxed).")
+
+
+@dataclass
+class TaskConfig:
+    """What the policy is asked to do and how it is rewarded."""
+    name: str = opt("arithmetic", "Task or environment.", choices=("arithmetic", "math_boxed", "calculator_tool"))
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective."""
+    name: str = opt("grpo", "Policy-gradient objective.", choices=("grpo",))
+    group_size: int = opt(8, "Samples per prompt (n); advantages are normalised within a group.", ge=1)
+    clip_low: float = opt(0.2, "PPO clip: ratio is clipped below at 1 - clip_low.", ge=0, lt=1)
+    clip_high: float = opt(0.2, "PPO clip: ratio is clipped above at 1 + clip_high.", ge=0)
+    kl_coef: float = opt(0.0, "Weight of the KL penalty to the frozen reference policy (0 = no reference model).", ge=0)
+    adv_eps: float = opt(1e-6, "Added to the group's reward std before dividing.", gt=0)
+    adv_std_norm: bool = opt(True, "Divide advantages by the group's reward std (false: centre only).")
+
+
+@dataclass
+class ReflowConfig:
+    """The replay data cycle (paper Table 1) and the mode that runs it."""
+    mode: str = opt("reflow", "Pipeline: colocated sync, one-step-off, fully async streaming, or ReFlow.",
+                    choices=("sync", "one_step_off", "fully_async", "reflow"))
+    sigma: float = opt(0.5, "σ: max fraction of a batch that may be replayed samples.", ge=0, lt=1)
+    tau: float = opt(0.5, "τ: loss weight of replayed samples before normalisation.", gt=0, le=1)
+    delta: int = opt(1, "δ: max staleness (current version − oldest token version) kept in the pool.", ge=0)
+    b_max: int = opt(0, "Max samples dispatched to rollout workers per step (in flight + pending); "
+                        "0 = trainer.batch_size.", ge=0)
+    sync_every: int = opt(1, "Steps between weight syncs to the rollout workers.", ge=1)
+    sampler: str = opt("random", "Replay sampler (registered name; built in: random, medium_reward).")
+    replay_filter: str = opt("accept_all", "Replay filter deciding reinsertion after training "
+                                           "(registered name; built in: accept_all, reward_band).")
+    reward_low: float = opt(0.0, "Lower reward bound of medium_reward and reward_band (exclusive).")
+    reward_high: float = opt(1.0, "Upper reward bound of medium_reward and reward_band (exclusive).")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation on rollout workers."""
+    engine: str = opt("torch", "Rollout engine.", choices=("torch", "vllm"))
+    max_concurrency: int = opt(32, "Concurrency cap per rollout worker (requests running at once).", ge=1)
+    kv_budget_tokens: int = opt(16384, "KV-cache budget per rollout worker in tokens; beyond it requests are preempted.", ge=1)
+    temperature: float = opt(1.0, "Sampling temperature.", gt=0)
+    top_p: float = opt(1.0, "Nucleus sampling mass.", gt=0, le=1)
+    max_new_tokens: int = opt(64, "Max response tokens per sample (all turns together).", ge=1)
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation."""
+    steps: int = opt(20, "Optimizer steps of the run.", ge=1)
+    batch_size: int = opt(32, "b: samples per optimizer step (over all trainer replicas).", ge=1)
+    micro_batch_size: int = opt(8, "Samples per forward/backward pass on one trainer replica.", ge=1)
+    lr: float = opt(3e-5, "Peak learning rate (AdamW).", gt=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
+    warmup_steps: int = opt(0, "Linear warm-up steps.", ge=0)
+    schedule: str = opt("constant", "Learning-rate schedule after warm-up.", choices=("constant", "cosine"))
+    min_lr_ratio: float = opt(0.1, "Cosine schedule floor as a fraction of lr.", ge=0, le=1)
+    grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).", ge=0)
+
+
+@dataclass
+class ResourcesConfig:
+    """Workers and how they are split into pools: n_T·s_T + n_R·s_R = workers."""
+    workers: int = opt(4, "W: worker processes (one per GPU, or per CPU slot on CPU).", ge=1)
+    trainer_replicas: int = opt(2, "n_T: trainer replicas.", ge=0)
+    trainer_shard_size: int = opt(1, "s_T: workers per trainer replica (FSDP shard group; 1 on CPU).", ge=1)
+    rollout_instances: int = opt(2, "n_R: rollout engine instances.", ge=0)
+    rollout_tp_size: int = opt(1, "s_R: workers per rollout instance (tensor parallel).", ge=1)
+    device: str = opt("auto", "Device of every worker: auto = cuda when available, else cpu.",
+                      choices=("auto", "cpu", "cuda"))
+    cpu_threads: int = opt(1, "torch intra-op threads per worker on CPU.", ge=1)
+
+
+@dataclass
+class SchedulerConfig:
+    """Adaptive generation scheduling and placement."""
+
+
+@dataclass
+class StorageConfig:
+    """Node-local trajectory shards."""
+    dir: str = opt("", "Node-local scratch root for shards; empty = $SLURM_TMPDIR, else $TMPDIR, else /tmp.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints of trainer state and replay buffer."""
+    dir: str = opt("", "Checkpoint directory; empty = `<run dir>/checkpoints`.")
+    every_steps: int = opt(0, "Save every this many steps (0 = only at the end of the run).", ge=0)
+    resume: bool = opt(True, "Resume from the newest checkpoint in `dir` when one exists.")
+
+
+@dataclass
+class MetricsConfig:
+    """Where metrics go (JSONL in the run directory is always written)."""
+    tensorboard: bool = opt(False, "Also write TensorBoard event files under `<run dir>/tb`.")
+
+
+@dataclass
+class SlurmConfig:
+    """Defaults for `python -m reflow_hpc.submit` (its flags override them)."""
+    partition: str = opt("", "Partition (empty = the cluster's default).")
+    account: str = opt("", "Account to charge (empty = the user's default).")
+    time: str = opt("01:00:00", "Wall-time limit, Slurm syntax.")
+    gpus_per_node: int = opt(8, "GPUs per node; one task per GPU (CPU configs: one task per CPU slot).", ge=0)
+    cpus_per_task: int = opt(1, "CPUs per task.", ge=1)
+    mpi: str = opt("pmi2", "srun --mpi plugin matching the MPI that mpi4py uses.")
+    signal_before_s: int = opt(180, "Seconds before the time limit that USR2 is sent (checkpoint, requeue).", ge=0)
+    log_dir: str = opt("slurm_logs", "Directory of submitit's scripts and per-task logs.")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reflow: ReflowConfig = field(default_factory=ReflowConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    # Where the TOML came from (not a key): relative paths in error messages and dry runs.
+    source: str = field(default="", repr=False, compare=False, metadata={"internal": True})
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    @property
+    def b_max(self) -> int:
+        return self.reflow.b_max or self.trainer.batch_size
+
+
+# --------------------------------------------------------------------------------------------
+# Introspection
+# --------------------------------------------------------------------------------------------
+
+def sections(cfg_cls: type = Config) -> Iterator[tuple[str, type]]:
+    for f in dataclasses.fields(cfg_cls):
+        if not f.metadata.get("internal"):
+            yield f.name, f.type if isinstance(f.type, type) else _resolve(cfg_cls, f.name)
+
+
+def keys(section_cls: type) -> Iterator[dataclasses.Field]:
+    yield from dataclasses.fields(section_cls)
+
+
+def _resolve(cls: type, name: str) -> type:
+    return typing.get_type_hints(cls)[name]
+
+
+def _key_type(section_cls: type, name: str) -> type:
+    return typing.get_type_hints(section_cls)[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and validation
+# --------------------------------------------------------------------------------------------
+
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(key, value, "must be a finite number")
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    elif typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ)
+        if isinstance(value, list):
+            return [_coerce(key, v, item) for v in value]
+        raise ConfigError(key, value, f"expected a list of {_TYPE_WORDS.get(item, item.__name__)}s")
+    raise ConfigError(key, value, f"expected {_TYPE_WORDS.get(typ, typ.__name__)}")
+
+
+def _check_bounds(key: str, value: Any, meta: dict) -> None:
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise ConfigError(key, value, "allowed: " + ", ".join(map(str, meta["choices"])))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    lo = ("≥", meta["ge"], value >= meta["ge"]) if meta.get("ge") is not None else None
+    lo = ("> ", meta["gt"], value > meta["gt"]) if meta.get("gt") is not None else lo
+    hi = ("≤", meta["le"], value <= meta["le"]) if meta.get("le") is not None else None
+    hi = ("< ", meta["lt"], value < meta["lt"]) if meta.get("lt") is not None else hi
+    for bound in (lo, hi):
+        if bound is not None and not bound[2]:
+            raise ConfigError(key, value, f"must be {_range_text(meta)}")
+
+
+def _range_text(meta: dict) -> str:
+    parts = []
+    if meta.get("gt") is not None:
+        parts.append(f"> {meta['gt']:g}")
+    elif meta.get("ge") is not None:
+        parts.append(f"≥ {meta['ge']:g}")
+    if meta.get("lt") is not None:
+        parts.append(f"< {meta['lt']:g}")
+    elif meta.get("le") is not None:
+        parts.append(f"≤ {meta['le']:g}")
+    return " and ".join(parts)
+
+
+def _apply(cfg: Config, data: dict, origin: str) -> None:
+    for sec_name, sec_value in data.items():
+        sec_cls = dict(sections()).get(sec_name)
+        if sec_cls is None:
+            raise ConfigError(f"[{sec_name}]", sec_value if not isinstance(sec_value, dict) else "{…}",
+                              f"unknown section in {origin}; sections: " + ", ".join(n for n, _ in sections()))
+        if not isinstance(sec_value, dict):
+            raise ConfigError(sec_name, sec_value, f"expected a [{sec_name}] table in {origin}")
+        section = getattr(cfg, sec_name)
+        known = {f.name: f for f in keys(sec_cls)}
+        for key, value in sec_value.items():
+            full = f"{sec_name}.{key}"
+            if key not in known:
+                hint = ", ".join(known) or "(none yet)"
+                raise ConfigError(full, value if not isinstance(value, dict) else "{…}",
+                                  f"unknown key in {origin}; keys of [{sec_name}]: {hint}")
+            value = _coerce(full, value, _key_type(sec_cls, key))
+            _check_bounds(full, value, known[key].metadata)
+            setattr(section, key, value)
+
+
+def parse_override(text: str) -> dict:
+    """`section.key=value` → {section: {key: value}}; the value is read as TOML, else as a string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError("--set", text, "expected section.key=value")
+    dotted, raw = text.split("=", 1)
+    sec, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return {sec: {key: value}}
+
+
+def load(path: str | os.PathLike | None, overrides: list[str] = (), *, check_files: bool = True) -> Config:
+    """Read a TOML file (or only defaults when `path` is None), apply overrides, validate."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise ConfigError("config", str(p), "file not found") from None
+        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+            raise ConfigError("config", str(p), f"cannot read: {e.__class__.__name__}") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("config", str(p), f"invalid TOML: {e}") from None
+        _apply(cfg, data, str(p))
+        cfg.source = str(p)
+    for o in overrides:
+        _apply(cfg, parse_override(o), "--set")
+    validate(cfg, check_files=check_files)
+    return cfg
+
+
+def validate(cfg: Config, *, check_files: bool = True) -> None:
+    """Cross-key rules; single keys were checked while loading."""
+    r = cfg.resources
+    used = r.trainer_replicas * r.trainer_shard_size + r.rollout_instances * r.rollout_tp_size
+    if used != r.workers:
+        raise ConfigError("resources.workers", r.workers,
+                          f"n_T·s_T + n_R·s_R = {r.trainer_replicas}·{r.trainer_shard_size} + "
+                          f"{r.rollout_instances}·{r.rollout_tp_size} = {used} must equal workers")
+    if cfg.reflow.mode != "sync" and (r.trainer_replicas == 0 or r.rollout_instances == 0):
+        raise ConfigError("resources.trainer_replicas" if r.trainer_replicas == 0 else "resources.rollout_instances",
+                          0, f"mode {cfg.reflow.mode} needs at least one trainer replica and one rollout instance")
+    if cfg.trainer.micro_batch_size > cfg.trainer.batch_size:
+        raise ConfigError("trainer.micro_batch_size", cfg.trainer.micro_batch_size,
+                          f"must be ≤ trainer.batch_size ({cfg.trainer.batch_size})")
+    if cfg.trainer.warmup_steps > cfg.trainer.steps:
+        raise ConfigError("trainer.warmup_steps", cfg.trainer.warmup_steps,
+                          f"must be ≤ trainer.steps ({cfg.trainer.steps})")
+    if cfg.reflow.reward_low >= cfg.reflow.reward_high:
+        raise ConfigError("reflow.reward_low", cfg.reflow.reward_low,
+                          f"must be < reflow.reward_high ({cfg.reflow.reward_high})")
+    if cfg.run.poll_min_s > cfg.run.poll_max_s:
+        raise ConfigError("run.poll_min_s", cfg.run.poll_min_s, f"must be ≤ run.poll_max_s ({cfg.run.poll_max_s})")
+    if cfg.slurm.mpi not in ("pmi2", "pmix", "pmi1", "none", "cray_shasta") and not cfg.slurm.mpi.startswith("pmix_"):
+        raise ConfigError("slurm.mpi", cfg.slurm.mpi, "allowed: pmi2, pmix, pmix_v<N>, pmi1, cray_shasta, none")
+    for hook in _VALIDATORS:
+        hook(cfg)
+    if check_files:
+        model = Path(cfg.model.path)
+        if not cfg.model.warmstart and not (model / "config.json").is_file():
+            why = "no such directory" if not model.exists() else "no config.json in this directory"
+            raise ConfigError("model.path", cfg.model.path,
+                              f"{why} (a Hugging Face model directory; or set model.warmstart = true)")
+
+
+_VALIDATORS: list[Callable[[Config], None]] = []
+
+
+def validator(fn: Callable[[Config], None]) -> Callable[[Config], None]:
+    """Register a cross-key rule owned by another module (e.g. a task that needs data.path)."""
+    _VALIDATORS.append(fn)
+    return fn
+
+
+# --------------------------------------------------------------------------------------------
+# Output: TOML and the reference page
+# --------------------------------------------------------------------------------------------
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return str(v)
+
+
+def to_toml(cfg: Config) -> str:
+    out = []
+    for sec_name, sec_cls in sections():
+        out.append(f"[{sec_name}]")
+        section = getattr(cfg, sec_name)
+        for f in keys(sec_cls):
+            out.append(f"{f.name} = {_toml_value(getattr(section, f.name))}")
+        out.append("")
+    return "\n".join(out)
+
+
+def to_dict(cfg: Config) -> dict:
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name, _ in sections()}
+
+
+def reference() -> str:
+    """The config reference page (docs/config.md), generated from the dataclasses."""
+    lines = ["# Configuration reference", "",
+             "Generated by `python -m reflow_hpc.config --reference` from `reflow_hpc/config.py`; "
+             "a test fails when this page is stale.", "",
+             "Every key below can be set in the TOML file under its section or on the command line as "
+             "`--set section.key=value`. Relative paths are relative to the working directory.", ""]
+    for sec_name, sec_cls in sections():
+        lines += [f"## [{sec_name}]", "", (sec_cls.__doc__ or "").strip(), ""]
+        fields = list(keys(sec_cls))
+        if not fields:
+            lines += ["(no keys yet)", ""]
+            continue
+        lines += ["| key | type | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
+        for f in fields:
+            typ = _key_type(sec_cls, f.name)
+            tname = getattr(typ, "__name__", str(typ))
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            meta = f.metadata
+            allowed = ", ".join(map(str, meta["choices"])) if meta.get("choices") else _range_text(meta)
+            doc = meta.get("doc", "").replace("|", "\\|")
+            lines.append(f"| `{f.name}` | {tname} | `{_toml_value(default)}` | {allowed} | {doc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+def main_guard(fn: Callable[[], int | None]) -> int:
+    """Run a command-line entry point; a ConfigError becomes one line on stderr and exit code 2."""
+    try:
+        return fn() or 0
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m reflow_hpc.config",
+                                 description="Print the resolved configuration as TOML.")
+    ap.add_argument("config", nargs="?", help="TOML file (omit for the defaults)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--reference", action="store_true", help="print the Markdown reference of every key")
+    args = ap.parse_args(argv)
+
+    def go() -> int:
+        if args.reference:
+            print(reference(), end="")
+            return 0
+        print(to_toml(load(args.config, args.overrides)), end="")
+        return 0
+
+    return main_guard(go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

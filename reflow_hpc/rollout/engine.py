@@ -1,0 +1,92 @@
+"""The rollout engine interface that workers drive (DESIGN §6).
+
+It maps one to one onto vLLM's engine API so that the embedded ``torch`` engine and a ``vllm``
+engine are interchangeable behind it:
+
+| here                         | vLLM                                                         |
+| ---------------------------- | ------------------------------------------------------------ |
+| ``add(request)``             | ``LLMEngine.add_request(request_id, TokensPrompt, SamplingParams)`` |
+| ``step() -> [Completion]``   | ``LLMEngine.step()`` → finished ``RequestOutput``s           |
+| ``abort_all() -> [Completion]`` | ``abort_request(ids)`` after reading the partial outputs  |
+| ``load_weights(state, v)``   | ``collective_rpc("load_weights")`` / ``model.load_weights(iter)`` |
+| ``sleep()`` / ``wake()``     | ``LLMEngine.sleep(level)`` / ``wake_up()``                   |
+| ``stats()``                  | scheduler stats: running, waiting, KV usage, preemptions     |
+
+A request is one sample. A partial sample returned by ``abort_all`` can be added again with its
+partial response as ``Request.response_prefix``; the engine re-prefills prompt + prefix under the
+weights it holds now and continues, so one sample may carry tokens of several policy versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64        # counts the whole response, prefix included
+    stop_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (it is kept)
+    seed: int | None = None         # per-request seed; None = engine stream
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: np.ndarray                       # int32 prompt token ids
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Continuation of a partial sample: tokens already generated, their log-probs and versions
+    # (a version of -1 marks an inserted, non-generated token such as a tool observation).
+    response_prefix: np.ndarray | None = None
+    prefix_logprobs: np.ndarray | None = None
+    prefix_versions: np.ndarray | None = None
+
+
+@dataclass
+class Completion:
+    request_id: int
+    prompt: np.ndarray        # int32
+    response: np.ndarray      # int32, prefix included
+    logprobs: np.ndarray      # float32, aligned with response
+    versions: np.ndarray      # int32, aligned with response
+    finish_reason: str        # stop | length | abort
+
+    def as_request(self, sampling: SamplingParams) -> Request:
+        """The request that continues this (partial) completion."""
+        return Request(self.request_id, self.prompt, sampling, self.response, self.logprobs, self.versions)
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    queued: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_budget: int = 0
+    preemptions: int = 0          # cumulative
+    generated_tokens: int = 0     # cumulative
+    version: int = 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    version: int
+
+    def add(self, request: Request) -> None: ...
+
+    def step(self) -> list[Completion]: ...
+
+    def abort_all(self) -> list[Completion]: ...
+
+    def load_weights(self, state: Mapping[str, "object"] | Iterable[tuple[str, "object"]], version: int) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def has_unfinished(self) -> bool: ...
