@@ -1,0 +1,132 @@
+"""Entry point of one rank: ``python -m reflow_hpc.run CONFIG [--set section.key=value ...] [--check]``.
+
+Under ``srun`` or ``mpiexec`` every process is one rank. Started by hand without a launcher, it
+relaunches itself as ``mpiexec -n <resources.workers> python -m reflow_hpc.run …`` so a laptop user
+types one command. ``--check`` is the start-up self-check (handshake, all-reduce, topology.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import Config, ConfigError, load, main_guard
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m reflow_hpc.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", help="TOML config file")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config key (repeatable)")
+    ap.add_argument("--check", action="store_true",
+                    help="start-up self-check: handshake, all-reduce, write topology.json, exit")
+    return ap
+
+
+def find_mpiexec(cfg: Config) -> str:
+    name = cfg.run.mpiexec
+    if os.sep not in name:
+        # Prefer the launcher installed beside this interpreter (the mpich wheel in a venv):
+        # it belongs to the MPI that mpi4py was built against.
+        sibling = Path(sys.executable).parent / name
+        if sibling.is_file() and os.access(sibling, os.X_OK):
+            return str(sibling)
+    found = shutil.which(name)
+    if found is None:
+        raise ConfigError("run.mpiexec", name, "launcher not found on PATH (pip install 'reflow-hpc[mpich]', "
+                                               "or load your site MPI, or run under srun)")
+    return found
+
+
+def relaunch(cfg: Config, argv: list[str]) -> int:
+    """Run this same command as `resources.workers` MPI ranks and return the launcher's exit code."""
+    if os.environ.get("REFLOW_RELAUNCHED") == "1":
+        print("reflow_hpc: relaunched under mpiexec but no MPI launcher environment was found; "
+              "check that run.mpiexec belongs to the MPI that mpi4py uses", file=sys.stderr)
+        return 1
+    cmd = [find_mpiexec(cfg), "-n", str(cfg.resources.workers), sys.executable, "-m", "reflow_hpc.run", *argv]
+    env = dict(os.environ, REFLOW_RELAUNCHED="1")
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        return proc.wait()
+
+
+def run_rank(cfg: Config, args: argparse.Namespace) -> int:
+    """The life of one rank."""
+    from .runtime.context import Runtime
+    from .runtime.topology import LaunchError
+
+    try:
+        if args.check:
+            from .runtime.selfcheck import CheckLogic, run_check
+            rt = Runtime(cfg, lambda: CheckLogic(cfg, cfg.resources.workers))
+        else:
+            from .train.loop import TrainingLogic
+            rt = Runtime(cfg, lambda: TrainingLogic(cfg))
+    except LaunchError as e:
+        print(f"reflow_hpc: {e}", file=sys.stderr, flush=True)
+        return 1
+    except ConfigError as e:
+        # Every rank sees the same error; one line is enough.
+        if int(os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+            print(str(e), file=sys.stderr, flush=True)
+        return 2
+
+    op = "start-up"
+    try:
+        import torch
+        torch.set_num_threads(cfg.resources.cpu_threads)
+        rt.start()
+        if args.check:
+            op = "self-check"
+            report = run_check(rt)
+            rt.wait_stop()
+            rt.shutdown()
+            if rt.rank == 0:
+                topo = rt.topology
+                path = cfg.run_dir / "topology.json"
+                ok = "verified" if report.allreduce_ok and report.mpi_allreduce_ok else "FAILED"
+                print(f"self-check: {rt.size} ranks on {len(topo.nodes)} node(s), {report.backend} all-reduce "
+                      f"{ok}, handshake {rt.coordinator.handshake_s * 1e3:.1f} ms; wrote {path}", flush=True)
+            return 0 if report.allreduce_ok and report.mpi_allreduce_ok else 1
+        op = "training"
+        from .train.loop import run_worker
+        return run_worker(rt)
+    except BaseException as e:  # noqa: BLE001 - one rank failing ends the job with a named error
+        rt.fail(op, e)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+
+    def go() -> int:
+        cfg = load(args.config, args.overrides)
+        from .runtime.mpi import under_launcher
+        if not under_launcher():
+            if not args.check and cfg.model.warmstart:
+                from .warmstart import ensure_policy
+                ensure_policy(cfg)
+            return relaunch(cfg, argv)
+        return run_rank(cfg, args)
+
+    return main_guard(go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

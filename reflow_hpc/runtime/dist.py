@@ -1,0 +1,83 @@
+"""torch.distributed for weights and gradients, bootstrapped from MPI.
+
+Rank 0 picks a free TCP port on its own address and broadcasts ``host:port`` over MPI (a
+non-blocking broadcast with a deadline), then every rank joins the default group: NCCL when the
+workers run on CUDA, gloo on CPU. The group's timeout is ``run.timeout_s``; :func:`guarded` turns a
+failing or timed-out collective into an error that names the rank and the operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import time
+from typing import Any, Iterator
+
+from .mpi import bcast_obj
+
+
+def _own_address(single_host: bool) -> str:
+    override = os.environ.get("REFLOW_MASTER_ADDR")
+    if override:
+        return override
+    if single_host:
+        return "127.0.0.1"
+    host = socket.gethostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr if addr != "localhost" else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def init_process_group(comm: Any, *, device: str, single_host: bool, timeout_s: float) -> float:
+    """Join the default process group; returns the seconds it took."""
+    import torch.distributed as dist
+    t0 = time.monotonic()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    endpoint = None
+    if rank == 0:
+        addr = _own_address(single_host)
+        endpoint = (addr, _free_port(addr))
+    addr, port = bcast_obj(comm, endpoint, 0, timeout=timeout_s, op="rendezvous address broadcast")
+    kwargs: dict[str, Any] = {}
+    if device.startswith("cuda"):
+        import torch
+        kwargs["device_id"] = torch.device(device)
+    with guarded(rank, f"torch.distributed init ({backend_for(device)}, tcp://{addr}:{port})"):
+        dist.init_process_group(backend_for(device), init_method=f"tcp://{addr}:{port}", rank=rank,
+                                world_size=size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return time.monotonic() - t0
+
+
+class CollectiveError(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def guarded(rank: int, op: str) -> Iterator[None]:
+    """Re-raise any failure inside a collective as one line naming the rank and the operation."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        raise CollectiveError(f"rank {rank}: {op}: {first}") from e
+
+
+def destroy() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,126 @@
+"""MPI start-up and the polling primitives every thread uses.
+
+- MPI is initialised with ``MPI_THREAD_MULTIPLE``: the coordinator thread (rank 0), the service
+  thread and the main thread of a worker all talk MPI at once.
+- Nobody blocks inside MPI without a deadline. Receives are matched probes (``improbe``: the probe
+  and the receive cannot be split by another thread) and requests are tested in a loop that sleeps
+  with exponential back-off between ``run.poll_min_s`` and ``run.poll_max_s``, so an idle thread
+  costs almost no CPU and a silent peer ends in :class:`RankTimeout` naming the rank and operation.
+- Object collectives (broadcast of a rendezvous address) are done with non-blocking buffer
+  collectives under the same deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+_MPI = None
+
+
+def under_launcher() -> bool:
+    """True when this process was started by an MPI launcher or as a Slurm step task."""
+    markers = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
+               "MPI_LOCALNRANKS", "HYDI_CONTROL_FD", "SLURM_STEP_ID")
+    return any(m in os.environ for m in markers)
+
+
+def init() -> Any:
+    """Initialise MPI once (thread level multiple) and return the ``MPI`` module."""
+    global _MPI
+    if _MPI is None:
+        import mpi4py
+        mpi4py.rc.thread_level = "multiple"
+        from mpi4py import MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(f"rank {MPI.COMM_WORLD.Get_rank()}: the MPI library provides thread level "
+                               f"{MPI.Query_thread()}, reflow_hpc needs MPI_THREAD_MULTIPLE "
+                               f"({MPI.Get_library_version().splitlines()[0]})")
+        _MPI = MPI
+    return _MPI
+
+
+class RankTimeout(TimeoutError):
+    """A wait on another rank ran out of time; the message names both ranks and the operation."""
+
+    def __init__(self, rank: int, op: str, seconds: float, peer: int | str | None = None):
+        self.rank, self.op, self.seconds, self.peer = rank, op, seconds, peer
+        who = f" from rank {peer}" if peer is not None else ""
+        super().__init__(f"rank {rank}: {op}: no answer{who} after {seconds:.1f} s")
+
+
+@dataclass
+class Backoff:
+    """Exponential back-off for polling loops: reset on progress, double while idle."""
+    min_s: float = 1e-4
+    max_s: float = 1e-2
+
+    def __post_init__(self) -> None:
+        self.current = self.min_s
+
+    def progress(self) -> None:
+        self.current = self.min_s
+
+    def idle(self) -> None:
+        time.sleep(self.current)
+        self.current = min(self.current * 2, self.max_s)
+
+
+def wait_for(test: Callable[[], Any], *, timeout: float, rank: int, op: str, peer: int | str | None = None,
+             backoff: Backoff | None = None, alive: Callable[[], bool] | None = None) -> Any:
+    """Poll ``test()`` until it returns something other than None/False, or raise RankTimeout.
+
+    ``alive`` lets a caller abandon the wait early (e.g. shutdown was requested); then None is returned.
+    """
+    backoff = backoff or Backoff()
+    deadline = time.monotonic() + timeout
+    while True:
+        result = test()
+        if result is not None and result is not False:
+            return result
+        if alive is not None and not alive():
+            return None
+        if time.monotonic() > deadline:
+            raise RankTimeout(rank, op, timeout, peer)
+        backoff.idle()
+
+
+def wait_request(req: Any, *, timeout: float, rank: int, op: str, peer: int | str | None = None,
+                 backoff: Backoff | None = None) -> None:
+    """Complete a non-blocking MPI request under a deadline (cancel it on timeout)."""
+    try:
+        wait_for(req.Test, timeout=timeout, rank=rank, op=op, peer=peer, backoff=backoff)
+    except RankTimeout:
+        try:
+            req.Cancel()
+        except Exception:  # some requests (collectives) cannot be cancelled; the job ends anyway
+            pass
+        raise
+
+
+def bcast_obj(comm: Any, obj: Any, root: int, *, timeout: float, op: str, backoff: Backoff | None = None) -> Any:
+    """Broadcast a small picklable object with non-blocking collectives under a deadline."""
+    MPI = init()
+    rank = comm.Get_rank()
+    payload = pickle.dumps(obj) if rank == root else b""
+    size = np.array([len(payload)], dtype=np.int64)
+    wait_request(comm.Ibcast([size, MPI.INT64_T], root=root), timeout=timeout, rank=rank,
+                 op=f"{op} (size)", peer=root if rank != root else None, backoff=backoff)
+    buf = np.frombuffer(payload, dtype=np.uint8).copy() if rank == root else np.empty(int(size[0]), np.uint8)
+    wait_request(comm.Ibcast([buf, MPI.BYTE], root=root), timeout=timeout, rank=rank, op=op,
+                 peer=root if rank != root else None, backoff=backoff)
+    return obj if rank == root else pickle.loads(buf.tobytes())
+
+
+def barrier(comm: Any, *, timeout: float, op: str, backoff: Backoff | None = None) -> None:
+    wait_request(comm.Ibarrier(), timeout=timeout, rank=comm.Get_rank(), op=op, backoff=backoff)
+
+
+def library_version() -> str:
+    MPI = init()
+    return MPI.Get_library_version().strip().splitlines()[0].strip()

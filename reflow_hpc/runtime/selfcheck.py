@@ -1,0 +1,133 @@
+"""``python -m reflow_hpc.run CONFIG --check``: the start-up self-check.
+
+Every rank handshakes with the coordinator, joins torch.distributed (gloo on CPU, NCCL on CUDA),
+verifies an all-reduce (sum of rank+1 over the world, and a 1 Mi-element tensor) and an MPI
+all-reduce, and reports to the coordinator, which writes ``topology.json`` into the run directory:
+ranks, nodes, devices, scratch directories, MPI library and version, handshake and collective
+timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import Config, to_dict
+from .context import Runtime
+from .coordinator import Outgoing
+from .dist import backend_for, guarded, init_process_group
+from .messages import CheckReport, Hello
+from .mpi import library_version, wait_request
+
+
+class CheckLogic:
+    """Coordinator side: collect one report per rank within the timeout, then write topology.json."""
+
+    def __init__(self, cfg: Config, world: int):
+        self.cfg = cfg
+        self.world = world
+        self.reports: dict[int, CheckReport] = {}
+        self.hellos: list[Hello] = []
+        self.started = 0.0
+        self.written: Path | None = None
+        self.handshake_s = 0.0
+
+    def on_start(self, hellos: list[Hello], handshake_s: float, now: float) -> Outgoing:
+        self.hellos = hellos
+        self.handshake_s = handshake_s
+        self.started = now
+        return ()
+
+    def on_message(self, source: int, msg: Any, now: float) -> Outgoing:
+        if not isinstance(msg, CheckReport):
+            raise RuntimeError(f"rank 0: self-check: unexpected {type(msg).__name__} from rank {source}")
+        self.reports[source] = msg
+        if len(self.reports) == self.world:
+            self.written = write_topology(self.cfg, self.hellos, self.reports, self.handshake_s)
+        return ()
+
+    def on_tick(self, now: float) -> Outgoing:
+        if self.written is None and now - self.started > self.cfg.run.timeout_s:
+            missing = sorted(set(range(self.world)) - set(self.reports))
+            raise TimeoutError(f"rank 0: self-check: no report from rank(s) {', '.join(map(str, missing))} "
+                               f"after {self.cfg.run.timeout_s:.1f} s")
+        return ()
+
+    def done(self) -> bool:
+        return self.written is not None
+
+
+def write_topology(cfg: Config, hellos: list[Hello], reports: dict[int, CheckReport], handshake_s: float) -> Path:
+    from .topology import place
+    placement = place([h.node for h in hellos])
+    ranks = []
+    for h in hellos:
+        rep = reports[h.rank]
+        ranks.append({
+            "rank": h.rank, "node": h.node, "node_id": placement.node_of_rank[h.rank],
+            "local_rank": placement.local_rank[h.rank], "hostname": h.hostname, "pid": h.pid,
+            "device": rep.device, "visible_devices": h.devices, "scratch": h.scratch,
+            "handshake_rtt_s": round(rep.handshake_rtt_s, 6), "dist_init_s": round(rep.dist_init_s, 4),
+            "allreduce_s": round(rep.allreduce_s, 6),
+        })
+    ok = all(r.allreduce_ok and r.mpi_allreduce_ok for r in reports.values())
+    first = reports[0]
+    doc = {
+        "world_size": len(hellos),
+        "num_nodes": len(placement.nodes),
+        "nodes": placement.nodes,
+        "ranks": ranks,
+        "mpi": {"library": library_version(), "thread_level": "multiple"},
+        "torch_distributed": {"backend": first.backend,
+                              "allreduce": {"ok": all(r.allreduce_ok for r in reports.values()),
+                                            "value": first.allreduce_value, "expected": first.allreduce_expected},
+                              "mpi_allreduce_ok": all(r.mpi_allreduce_ok for r in reports.values())},
+        "verified": ok,
+        "handshake_s": round(handshake_s, 6),
+        "slurm": {k: os.environ[k] for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_JOB_NODELIST", "SLURM_NTASKS")
+                  if k in os.environ},
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": to_dict(cfg),
+    }
+    out = cfg.run_dir / "topology.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def run_check(rt: Runtime) -> CheckReport:
+    """Worker side of the self-check; returns this rank's report (already sent)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    cfg, topo = rt.cfg, rt.topology
+    assert topo is not None
+    init_s = init_process_group(rt.world, device=topo.device, single_host=rt.single_host,
+                                timeout_s=cfg.run.timeout_s)
+    world = rt.size
+    expected = world * (world + 1) / 2
+    t0 = time.monotonic()
+    with guarded(rt.rank, "all-reduce self-check"):
+        x = torch.tensor([float(rt.rank + 1)], device=topo.device)
+        dist.all_reduce(x)
+        big = torch.full((1 << 20,), float(rt.rank + 1), device=topo.device)
+        dist.all_reduce(big)
+        if topo.device.startswith("cuda"):
+            torch.cuda.synchronize()
+    allreduce_s = time.monotonic() - t0
+    value = float(x.item())
+    ok = value == expected and bool(torch.all(big == expected).item())
+
+    send = np.array([rt.rank + 1], dtype=np.int64)
+    recv = np.zeros(1, dtype=np.int64)
+    wait_request(rt.world.Iallreduce(send, recv), timeout=cfg.run.timeout_s, rank=rt.rank, op="MPI all-reduce self-check")
+    report = CheckReport(rt.rank, topo.device, backend_for(topo.device), rt.handshake_rtt_s, init_s, ok, value,
+                         expected, allreduce_s, int(recv[0]) == int(expected))
+    rt.send(report)
+    return report

@@ -1,0 +1,205 @@
+"""Submit a run from a login node through submitit.
+
+    python -m reflow_hpc.submit --nodes 16 configs/qwen3_8b_dapo_128gpu.toml
+    python -m reflow_hpc.submit --nodes 2 --wait configs/cpu_tiny.toml -- --check
+
+One Slurm task per GPU (per CPU slot on CPU configs), started by ``srun --mpi=<slurm.mpi>`` so every
+task is one MPI rank of ``reflow_hpc.run``. Requeue is on: Slurm sends USR2 ``slurm.signal_before_s``
+seconds before the time limit, rank 0 checkpoints and requeues the job. ``--dry-run`` prints the
+sbatch script instead of submitting; ``--wait`` follows rank 0's output until the job ends and exits
+with its status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import Config, ConfigError, load, main_guard
+
+
+class RankJob:
+    """What every Slurm task runs: one rank of ``python -m reflow_hpc.run CONFIG ARGS``."""
+
+    def __init__(self, config: str, run_args: list[str]):
+        self.config = config
+        self.run_args = run_args
+
+    def __call__(self) -> int:
+        from .run import main
+        code = main([self.config, *self.run_args])
+        if code != 0:
+            raise RuntimeError(f"rank {os.environ.get('SLURM_PROCID', '?')} exited with code {code}")
+        return code
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        # Called by submitit on USR2 in task 0 before it requeues the job; the run itself saves its
+        # state on the same signal, and resumes from its newest checkpoint when it starts again.
+        import submitit
+        return submitit.helpers.DelayedSubmission(RankJob(self.config, self.run_args))
+
+
+def _minutes(text: str) -> int:
+    """Slurm time syntax (MM, HH:MM:SS, D-HH:MM:SS, D-HH) → minutes."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not m:
+        raise ConfigError("slurm.time", text, "expected MM, HH:MM:SS or D-HH:MM:SS")
+    days, a, b, c = (int(x) if x else None for x in m.groups())
+    if days is None and b is None:
+        return a                                   # MM
+    if days is not None and b is None:
+        return days * 1440 + a * 60                # D-HH
+    if c is None:
+        return (days or 0) * 1440 + a * 60 + b     # D-HH:MM or HH:MM
+    return (days or 0) * 1440 + a * 60 + b + (1 if c else 0)
+
+
+def tasks_per_node(cfg: Config, nodes: int, gpus_per_node: int) -> tuple[int, bool]:
+    """(tasks per node, uses GPUs): one task per GPU, or per CPU slot on CPU configs."""
+    workers = cfg.resources.workers
+    gpu = cfg.resources.device != "cpu" and gpus_per_node > 0
+    if gpu:
+        if nodes * gpus_per_node != workers:
+            raise ConfigError("resources.workers", workers,
+                              f"--nodes {nodes} × --gpus-per-node {gpus_per_node} = {nodes * gpus_per_node} tasks "
+                              f"(one per GPU) must equal workers")
+        return gpus_per_node, True
+    if workers % nodes:
+        raise ConfigError("resources.workers", workers, f"cannot split evenly over --nodes {nodes}")
+    return workers // nodes, False
+
+
+def make_executor(cfg: Config, args: argparse.Namespace) -> Any:
+    import submitit
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else cfg.slurm.gpus_per_node
+    per_node, gpu = tasks_per_node(cfg, args.nodes, gpus)
+    folder = Path(cfg.slurm.log_dir).absolute() / "%j"
+    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    params: dict[str, Any] = dict(
+        name=f"reflow-{cfg.run.name}",
+        nodes=args.nodes,
+        tasks_per_node=per_node,
+        cpus_per_task=cfg.slurm.cpus_per_task,
+        timeout_min=_minutes(args.time or cfg.slurm.time),
+        slurm_signal_delay_s=cfg.slurm.signal_before_s,
+        slurm_srun_args=[f"--mpi={args.mpi or cfg.slurm.mpi}", "--kill-on-bad-exit=1"],
+        slurm_additional_parameters={"requeue": True},
+        slurm_setup=[f"export OMP_NUM_THREADS={cfg.resources.cpu_threads}"],
+    )
+    if gpu:
+        params["gpus_per_node"] = gpus
+    if args.partition or cfg.slurm.partition:
+        params["slurm_partition"] = args.partition or cfg.slurm.partition
+    if args.account or cfg.slurm.account:
+        params["slurm_account"] = args.account or cfg.slurm.account
+    ex.update_parameters(**params)
+    return ex
+
+
+def sbatch_text(ex: Any) -> str:
+    inner = ex._executor  # submitit renders the script here; there is no public accessor
+    return inner._make_submission_file_text(inner._submitit_command_str, "dry-run")
+
+
+def _job_state(job_id: str) -> tuple[str, str]:
+    """(state, exit code) from scontrol, which works without accounting; ("", "") once forgotten."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    state = re.search(r"JobState=(\S+)", out.stdout)
+    code = re.search(r"ExitCode=(\S+)", out.stdout)
+    return (state.group(1) if state else "", code.group(1) if code else "")
+
+
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+          "PREEMPTED"}
+
+
+def follow(job: Any, poll_s: float = 1.0) -> int:
+    """Print rank 0's output as it grows until the job ends; return the job's exit status."""
+    stdout = Path(str(job.paths.stdout).replace("%t", "0"))
+    pos = 0
+    state, code = "", ""
+    while True:
+        if stdout.exists():
+            with stdout.open("rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos += len(chunk)
+            if chunk:
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+        state, code = _job_state(str(job.job_id))
+        if state in _ENDED or (state == "" and job.paths.result_pickle.exists()):
+            break
+        time.sleep(poll_s)
+    time.sleep(poll_s)
+    if stdout.exists():
+        with stdout.open("rb") as f:
+            f.seek(pos)
+            sys.stdout.write(f.read().decode(errors="replace"))
+    ok = state == "COMPLETED" or (state == "" and _all_results_ok(job))
+    if not ok:
+        print(f"submit: job {job.job_id} ended {state or 'UNKNOWN'} (exit {code or '?'}); rank logs in "
+              f"{job.paths.folder}", file=sys.stderr)
+        for task in sorted(Path(job.paths.folder).glob(f"{job.job_id}_*_log.err")):
+            lines = [ln for ln in task.read_text(errors="replace").splitlines() if ln.startswith("reflow_hpc:")]
+            for ln in lines[-3:]:
+                print(f"  {task.name}: {ln}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _all_results_ok(job: Any) -> bool:
+    try:
+        job.results()
+        return True
+    except Exception:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, run_args = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(prog="python -m reflow_hpc.submit", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", help="TOML config file")
+    ap.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    ap.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (= tasks) per node (default slurm.gpus_per_node)")
+    ap.add_argument("--partition", default=None)
+    ap.add_argument("--account", default=None)
+    ap.add_argument("--time", default=None, help="wall-time limit, Slurm syntax (default slurm.time)")
+    ap.add_argument("--mpi", default=None, help="srun --mpi plugin (default slurm.mpi)")
+    ap.add_argument("--wait", action="store_true", help="follow rank 0's output until the job ends")
+    ap.add_argument("--dry-run", action="store_true", help="print the sbatch script and exit")
+    args = ap.parse_args(argv)
+    if args.nodes < 1:
+        ap.error("--nodes must be ≥ 1")
+
+    def go() -> int:
+        overrides = [run_args[i + 1] for i, a in enumerate(run_args[:-1]) if a == "--set"]
+        cfg = load(args.config, overrides)
+        if args.mpi:
+            load(args.config, overrides + [f"slurm.mpi={args.mpi}"])  # validates the plugin name
+        ex = make_executor(cfg, args)
+        if args.dry_run:
+            print(sbatch_text(ex), end="")
+            return 0
+        job = ex.submit(RankJob(str(Path(args.config).absolute()), run_args))
+        print(f"submitted job {job.job_id}: {args.nodes} node(s), "
+              f"{cfg.resources.workers} ranks; rank 0 log: {str(job.paths.stdout).replace('%t', '0')}")
+        print(f"logs of every rank: {job.paths.folder}")
+        if args.wait:
+            return follow(job)
+        return 0
+
+    return main_guard(go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
