@@ -2,6 +2,7 @@
 
     python -m reflow_hpc.submit --nodes 16 configs/qwen3_8b_dapo_128gpu.toml
     python -m reflow_hpc.submit --nodes 2 --wait configs/cpu_tiny.toml -- --check
+    python -m reflow_hpc.submit --nodes 2 --set reflow.sigma=0.25 configs/cpu_tiny.toml
 
 One Slurm task per GPU (per CPU slot on CPU configs), started by ``srun --mpi=<slurm.mpi>`` so every
 task is one MPI rank of ``reflow_hpc.run``. Requeue is on: Slurm sends USR2 ``slurm.signal_before_s``
@@ -177,12 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mpi", default=None, help="srun --mpi plugin (default slurm.mpi)")
     ap.add_argument("--wait", action="store_true", help="follow rank 0's output until the job ends")
     ap.add_argument("--dry-run", action="store_true", help="print the sbatch script and exit")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config key for the submission and every rank (repeatable)")
     args = ap.parse_args(argv)
     if args.nodes < 1:
         ap.error("--nodes must be ≥ 1")
 
     def go() -> int:
-        overrides = [run_args[i + 1] for i, a in enumerate(run_args[:-1]) if a == "--set"]
+        # Overrides given before `--` count for submission and ranks; those after it for the ranks too.
+        forwarded = [x for o in args.overrides for x in ("--set", o)] + run_args
+        overrides = [forwarded[i + 1] for i, a in enumerate(forwarded[:-1]) if a == "--set"]
         cfg = load(args.config, overrides)
         if args.mpi:
             load(args.config, overrides + [f"slurm.mpi={args.mpi}"])  # validates the plugin name
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(sbatch_text(ex), end="")
             return 0
-        job = ex.submit(RankJob(str(Path(args.config).absolute()), run_args))
+        job = ex.submit(RankJob(str(Path(args.config).absolute()), forwarded))
         print(f"submitted job {job.job_id}: {args.nodes} node(s), "
               f"{cfg.resources.workers} ranks; rank 0 log: {str(job.paths.stdout).replace('%t', '0')}")
         print(f"logs of every rank: {job.paths.folder}")

@@ -1,0 +1,60 @@
+"""Shared fixtures: the repository root, subprocess helpers and the local Slurm cluster."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cmd(args: list[str], *, timeout: float = 180, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run a command, capture text output; a hang fails the test instead of blocking the suite."""
+    full_env = dict(os.environ)
+    full_env.pop("REFLOW_FAILPOINTS", None)
+    full_env.update(env or {})
+    return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def python_m(module: str, *args: str, **kw) -> subprocess.CompletedProcess:
+    return run_cmd([sys.executable, "-m", module, *args], **kw)
+
+
+def leftover_processes(marker: str) -> list[str]:
+    """Command lines of live processes that mention `marker` (a unique run name)."""
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if "pgrep" not in ln]
+
+
+@pytest.fixture(scope="session")
+def slurm_conf() -> str:
+    """SLURM_CONF of a running local cluster with 2 emulated nodes.
+
+    Uses the cluster named by $SLURM_CONF when it answers; otherwise starts one with
+    tools/local_slurm.sh, which installs Debian's Slurm and munge when they are missing, and stops
+    it, by PID file, at the end of the session. Where that is impossible (no root, no apt) the
+    tests are skipped, unless REFLOW_REQUIRE_SLURM=1 (CI), where they fail.
+    """
+    conf = os.environ.get("SLURM_CONF")
+    if conf and shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0:
+        yield conf
+        return
+    script = str(ROOT / "tools" / "local_slurm.sh")
+    status = subprocess.run([script, "status"], capture_output=True, text=True)
+    started = status.returncode != 0
+    up = subprocess.run([script, "up", "--nodes", "2"], capture_output=True, text=True, timeout=600)
+    if up.returncode != 0:
+        why = f"local Slurm cluster could not start: {up.stderr.strip()[-500:]}"
+        if os.environ.get("REFLOW_REQUIRE_SLURM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    conf = up.stdout.strip().split("=", 1)[1]
+    os.environ["SLURM_CONF"] = conf
+    yield conf
+    if started:
+        subprocess.run([script, "down"], capture_output=True, text=True, timeout=60)

@@ -1,0 +1,101 @@
+"""Config loading, overrides, validation errors and the generated reference page."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from reflow_hpc import config as C
+from conftest import ROOT, python_m
+
+BASE = """
+[run]
+name = "t"
+[model]
+warmstart = true
+"""
+
+# (TOML text, the key the one-line error must name)
+MALFORMED = [
+    ("!![run\nname = 'x'", "config"),                                        # TOML syntax error (raw file)
+    ("[nonsense]\nx = 1", "[nonsense]"),                                      # unknown section
+    ("[trainer]\nbatch = 8", "trainer.batch"),                                # unknown key
+    ("[trainer]\nbatch_size = \"32\"", "trainer.batch_size"),                 # wrong type
+    ("[trainer]\nlr = true", "trainer.lr"),                                   # bool is not a number
+    ("[reflow]\nsigma = 1.0", "reflow.sigma"),                                # σ outside [0, 1)
+    ("[reflow]\nsigma = -0.1", "reflow.sigma"),
+    ("[trainer]\nbatch_size = -8", "trainer.batch_size"),                     # negative batch
+    ("[resources]\nworkers = 0", "resources.workers"),                        # zero workers/nodes
+    ("[resources]\nworkers = 6", "resources.workers"),                        # split does not add up
+    ("!![model]\npath = \"/nonexistent/model\"", "model.path"),                # missing model
+    ("[reflow]\nmode = \"turbo\"", "reflow.mode"),                            # not a choice
+    ("[trainer]\nmicro_batch_size = 64\nbatch_size = 8", "trainer.micro_batch_size"),
+    ("[reflow]\ntau = 0", "reflow.tau"),
+    ("[reflow]\ndelta = 1.5", "reflow.delta"),                                # float for int
+    ("[slurm]\nmpi = \"pmi3\"", "slurm.mpi"),
+    ("!!trainer = 3\n[run]\nname = 't'", "trainer"),                          # a value where a section belongs
+    ("[reflow]\nmode = \"fully_async\"\n[resources]\nworkers = 4\ntrainer_replicas = 0\nrollout_instances = 4",
+     "resources.trainer_replicas"),
+]
+
+
+@pytest.mark.parametrize("text,key", MALFORMED)
+def test_malformed_config_one_line_exit_2(tmp_path, text, key):
+    path = tmp_path / "bad.toml"
+    # "!!" marks a file written as is; otherwise the case is appended to a valid base.
+    path.write_text(text[2:] if text.startswith("!!") else BASE + "\n" + text)
+    r = python_m("reflow_hpc.run", str(path), timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"config error: {key}"), lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_in_process_errors_name_key_value_and_allowed():
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, ["reflow.sigma=1.0", "model.warmstart=true"])
+    assert str(e.value) == "config error: reflow.sigma = 1.0: must be ≥ 0 and < 1"
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, ["reflow.mode=turbo", "model.warmstart=true"])
+    assert "allowed: sync, one_step_off, fully_async, reflow" in str(e.value)
+
+
+def test_missing_config_file(tmp_path):
+    r = python_m("reflow_hpc.run", str(tmp_path / "nope.toml"), timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("config error: config = ")
+
+
+def test_set_overrides_and_resolved_toml_round_trip(tmp_path):
+    r = python_m("reflow_hpc.config", str(ROOT / "configs" / "cpu_tiny.toml"),
+                 "--set", "reflow.sigma=0.25", "--set", "run.name=override", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert 'sigma = 0.25' in r.stdout and 'name = "override"' in r.stdout
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(r.stdout)
+    again = C.load(resolved)
+    assert C.to_dict(again) == C.to_dict(C.load(ROOT / "configs" / "cpu_tiny.toml",
+                                                 ["reflow.sigma=0.25", "run.name=override"]))
+
+
+def test_bad_override_syntax():
+    r = python_m("reflow_hpc.config", "--set", "sigma=0.3", timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("config error: --set")
+
+
+def test_every_key_documented_with_default():
+    for sec_name, sec_cls in C.sections():
+        for f in C.keys(sec_cls):
+            assert f.metadata.get("doc"), f"{sec_name}.{f.name} has no documentation"
+
+
+def test_reference_page_is_current():
+    page = (ROOT / "docs" / "config.md").read_text()
+    assert page == C.reference(), ("docs/config.md is stale: regenerate with "
+                                   "`python -m reflow_hpc.config --reference > docs/config.md`")
+
+
+def test_shipped_configs_load():
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        C.load(path, check_files=False)

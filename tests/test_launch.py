@@ -1,0 +1,80 @@
+"""The launch path on real MPI ranks: self-check, self-relaunch, failing ranks."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from conftest import ROOT, leftover_processes, run_cmd
+
+pytestmark = pytest.mark.mpi
+CFG = str(ROOT / "configs" / "cpu_tiny.toml")
+
+
+def _run(tmp_path, *extra, mpiexec=True, env=None, timeout=180):
+    name = f"t{uuid.uuid4().hex[:10]}"
+    args = ["python", "-m", "reflow_hpc.run", CFG, "--check", "--set", f"run.output_dir={tmp_path}",
+            "--set", f"run.name={name}", *extra]
+    if mpiexec:
+        args = ["mpiexec", "-n", "4", *args]
+    t0 = time.monotonic()
+    r = run_cmd(args, env=env, timeout=timeout)
+    return r, time.monotonic() - t0, tmp_path / name, name
+
+
+def _assert_topology(run_dir, ranks=4, nodes=None):
+    topo = json.loads((run_dir / "topology.json").read_text())
+    assert topo["world_size"] == ranks and len(topo["ranks"]) == ranks
+    assert [r["rank"] for r in topo["ranks"]] == list(range(ranks))
+    assert topo["verified"] is True
+    ar = topo["torch_distributed"]["allreduce"]
+    assert ar["ok"] and ar["value"] == ar["expected"] == ranks * (ranks + 1) / 2
+    assert topo["torch_distributed"]["backend"] == "gloo"
+    assert "MPICH" in topo["mpi"]["library"] or "Open MPI" in topo["mpi"]["library"]
+    assert len({r["pid"] for r in topo["ranks"]}) == ranks
+    assert all(r["scratch"].endswith(f"rank{r['rank']:05d}") for r in topo["ranks"])
+    if nodes is not None:
+        assert topo["num_nodes"] == nodes
+    return topo
+
+
+def test_check_under_mpiexec(tmp_path):
+    r, _, run_dir, _ = _run(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "self-check: 4 ranks" in r.stdout
+    _assert_topology(run_dir, nodes=1)
+
+
+def test_check_relaunches_itself_without_mpiexec(tmp_path):
+    r, _, run_dir, _ = _run(tmp_path, mpiexec=False)
+    assert r.returncode == 0, r.stderr
+    _assert_topology(run_dir)
+
+
+def test_rank_count_must_match_config(tmp_path):
+    r = run_cmd(["mpiexec", "-n", "2", "python", "-m", "reflow_hpc.run", CFG, "--check",
+                 "--set", f"run.output_dir={tmp_path}"], timeout=120)
+    assert r.returncode == 2
+    assert "config error: resources.workers = 4: the launcher started 2 ranks" in r.stderr
+
+
+@pytest.mark.parametrize("action", ["hang", "raise", "kill"])
+def test_rank_dying_in_handshake_ends_job_naming_it(tmp_path, action):
+    timeout_s = 6.0
+    r, elapsed, run_dir, name = _run(tmp_path, "--set", f"run.timeout_s={timeout_s}",
+                                     env={"REFLOW_FAILPOINTS": f"handshake@2={action}"})
+    assert r.returncode != 0
+    assert not (run_dir / "topology.json").exists()
+    # Start-up (imports) on 2 shared cores takes several seconds; the wait itself is bounded by timeout_s.
+    assert elapsed < timeout_s + 60
+    if action == "hang":
+        assert "rank 0: handshake: no hello from rank 2 after 6.0 s (3 of 4 ranks answered)" in r.stderr
+    elif action == "raise":
+        assert "rank 2 (" in r.stderr and "start-up failed: injected fault at handshake" in r.stderr
+    else:  # SIGKILL: the launcher notices at once and ends every rank
+        assert "signal 9" in r.stdout + r.stderr or "Killed" in r.stdout + r.stderr
+    time.sleep(1.0)
+    assert leftover_processes(name) == []

@@ -1,0 +1,93 @@
+"""The launch path through a real Slurm cluster (2 emulated nodes on this host)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from conftest import ROOT, run_cmd
+
+pytestmark = pytest.mark.slurm
+CFG = str(ROOT / "configs" / "cpu_tiny.toml")
+
+
+def _wait_job(job_id: str, timeout: float = 240) -> str:
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+        m = re.search(r"JobState=(\S+)", out)
+        state = m.group(1) if m else ""
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} still {state} after {timeout} s")
+
+
+def _topology(run_dir):
+    topo = json.loads((run_dir / "topology.json").read_text())
+    assert topo["verified"] is True
+    return topo
+
+
+def test_sbatch_local_script_runs_check_on_two_nodes(slurm_conf, tmp_path):
+    name = f"sb{uuid.uuid4().hex[:8]}"
+    r = run_cmd(["sbatch", "--parsable", f"--output={tmp_path}/%j.out", "slurm/reflow_local.sbatch", CFG, "--check",
+                 "--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    state = _wait_job(job_id)
+    log = (tmp_path / f"{job_id}.out").read_text()
+    assert state == "COMPLETED", log
+    topo = _topology(tmp_path / name)
+    assert topo["world_size"] == 4 and topo["num_nodes"] == 2
+    assert sorted(topo["nodes"]) == ["n1", "n2"]
+    by_node = {}
+    for rk in topo["ranks"]:
+        by_node.setdefault(rk["node"], []).append(rk["local_rank"])
+    assert all(sorted(v) == [0, 1] for v in by_node.values())
+    assert topo["slurm"]["SLURM_JOB_ID"] == job_id
+
+
+def test_submit_wait_through_submitit(slurm_conf, tmp_path):
+    name = f"sub{uuid.uuid4().hex[:8]}"
+    r = run_cmd(["python", "-m", "reflow_hpc.submit", "--nodes", "2", "--wait", CFG, "--set",
+                 f"slurm.log_dir={tmp_path}/logs", "--",
+                 "--check", "--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}"], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "submitted job" in r.stdout and "self-check: 4 ranks on 2 node(s)" in r.stdout
+    topo = _topology(tmp_path / name)
+    assert topo["world_size"] == 4 and topo["num_nodes"] == 2
+
+
+def test_submit_dry_run_prints_sbatch(slurm_conf):
+    r = run_cmd(["python", "-m", "reflow_hpc.submit", "--nodes", "2", "--dry-run", "--time", "00:20:00", CFG],
+                timeout=60)
+    assert r.returncode == 0, r.stderr
+    script = r.stdout
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --requeue", "#SBATCH --time=20",
+                 "#SBATCH --signal=USR2@180"):
+        assert line in script, script
+    assert "--mpi=pmi2" in script and "--kill-on-bad-exit=1" in script
+
+
+def test_submit_rejects_uneven_split():
+    r = run_cmd(["python", "-m", "reflow_hpc.submit", "--nodes", "3", "--dry-run", CFG], timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith("config error: resources.workers = 4: cannot split evenly over --nodes 3")
+
+
+def test_srun_without_mpi_bootstrap_fails_fast(slurm_conf):
+    t0 = time.monotonic()
+    r = run_cmd(["srun", "--mpi=none", "-n", "2", "python", "-m", "reflow_hpc.run", CFG, "--check"], timeout=120)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "MPI world size 1 differs from SLURM_NTASKS=2" in r.stderr
+    assert "--mpi=pmi2" in r.stderr
+    assert elapsed < 60
