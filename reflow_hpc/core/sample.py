@@ -1,0 +1,75 @@
+"""What the replay-buffer index knows about one sample: its lifecycle state and its metadata.
+
+The payload (tokens, log-probs, per-token versions) stays on the worker that produced it; the index
+holds only this record. The states and terminal reasons are explained in :mod:`reflow_hpc.core.index`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Live states, in lifecycle order.
+PENDING = "pending"        # created and dispatched to a rollout worker, not finished
+RUNNING = "running"        # the worker reported that generation started
+FINISHED = "finished"      # payload exists on its owner; the group is not complete yet
+READY = "ready"            # trainable and never trained on: an unused sample
+TRAINING = "training"      # selected into a batch that is being trained on
+REPLAY = "replay"          # trained on and reinserted by the replay filter: trainable again
+LIVE_STATES = (PENDING, RUNNING, FINISHED, READY, TRAINING, REPLAY)
+
+# Terminal reasons: every sample that leaves the index leaves with exactly one of them.
+TRAINED = "trained"                # trained on; not reinserted because replay is disabled (σ = 0)
+FILTERED = "filtered"              # trained on; the replay filter declined reinsertion
+EVICTED_STALE = "evicted_stale"    # staleness > δ
+ABORTED = "aborted"                # cancelled at shutdown, by an abort event, or in flight at a restore
+FAILED = "failed"                  # generation failed or the generating worker was lost
+LOST = "lost"                      # the payload cannot be read back (owner lost, shard damaged)
+TERMINAL_REASONS = (TRAINED, FILTERED, EVICTED_STALE, ABORTED, FAILED, LOST)
+
+GENERATING = frozenset((PENDING, RUNNING))          # no payload yet; held by `worker`
+POOLED = frozenset((FINISHED, READY, REPLAY))       # subject to staleness eviction at a version bump
+
+
+@dataclass(slots=True, eq=False)
+class SampleRecord:
+    """Index metadata of one sample. Samplers and replay filters read it; only the index writes it."""
+
+    sample_id: int
+    group_id: int
+    prompt_id: int
+    state: str = PENDING
+    worker: int = -1            # rank generating it while pending/running (-1: not known yet)
+    owner: int = -1             # rank whose memory/shard holds the payload once finished
+    reward: float = 0.0
+    min_version: int = -1       # oldest policy version among its generated tokens
+    max_version: int = -1       # newest one (partial rollouts span several versions)
+    loss_tokens: int = 0        # n_j: tokens that carry loss
+    base_weight: float = 1.0    # ω_j before the replay factor τ and the normalisation
+    advantage: float = 0.0      # group-normalised, set when the group completes; kept on replay
+    times_used: int = 0         # optimizer steps that trained on it
+    location: Any = None        # where the owner stored the payload (JSON-able, e.g. [segment, row])
+    created_at: float = 0.0     # `now` of the dispatch
+    finished_at: float = 0.0    # `now` of the finished event
+    finish_seq: int = -1        # completion order (ties between equal min versions)
+    owner_lost: bool = False    # owner died while the sample was in a batch: end it as lost after the step
+
+    def staleness(self, version: int) -> int:
+        """Current version minus the oldest version among the sample's tokens."""
+        return version - self.min_version
+
+    @property
+    def is_replay(self) -> bool:
+        return self.times_used > 0
+
+    def to_row(self) -> list:
+        return [getattr(self, name) for name in ROW_FIELDS]
+
+    @classmethod
+    def from_row(cls, row: list) -> "SampleRecord":
+        if len(row) != len(ROW_FIELDS):
+            raise ValueError(f"sample row has {len(row)} fields, expected {len(ROW_FIELDS)} ({', '.join(ROW_FIELDS)})")
+        return cls(*row)
+
+
+ROW_FIELDS = tuple(SampleRecord.__dataclass_fields__)

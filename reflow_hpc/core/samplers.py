@@ -1,0 +1,162 @@
+"""Replay samplers: which replay samples fill the slots that unused samples leave in a batch.
+
+The index owns the replay pool's lifecycle and tells the sampler about it through two hooks:
+``add(sample)`` when a sample enters the ``replay`` state and ``remove(sample_id)`` when it leaves
+(picked into a batch, evicted as stale, aborted, lost). The sampler keeps whatever structure makes
+``pick`` cheap; it never changes sample state itself. ``available()`` says how many samples ``pick``
+could return right now (a sampler may ignore some replay samples, e.g. ``medium_reward``), and the
+index asks for no more than that. ``pick(k, rng)`` returns ``k`` distinct ids and must draw its
+randomness from ``rng``, the index's seeded generator, so that a run replays deterministically.
+
+Add a sampler::
+
+    from reflow_hpc.core import PoolSampler, register_sampler
+
+    @register_sampler("long_first")
+    class LongFirst(PoolSampler):
+        def eligible(self, sample):
+            return sample.loss_tokens >= 128
+
+and select it with ``[reflow] sampler = "long_first"``. ``from_settings(settings)`` receives the
+``[reflow]`` config section (attribute access only) when the sampler needs parameters.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from typing import Any, ClassVar, Sequence
+
+from reflow_hpc.core.registry import Registry
+from reflow_hpc.core.sample import SampleRecord
+
+SAMPLERS: Registry = Registry("replay sampler", "reflow.sampler")
+
+
+def register_sampler(name: str):
+    """Class decorator: make a :class:`Sampler` selectable as ``reflow.sampler = name``."""
+    return SAMPLERS.register(name)
+
+
+def make_sampler(name: str, settings: Any = None) -> "Sampler":
+    """A fresh sampler of the registered class ``name``, configured from ``settings`` when given."""
+    cls = SAMPLERS.get(name)
+    return cls.from_settings(settings) if settings is not None else cls()
+
+
+def sampler_names() -> list[str]:
+    return SAMPLERS.names()
+
+
+class Sampler(abc.ABC):
+    """Interface of a replay sampler (see the module docstring for the contract)."""
+
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "Sampler":
+        """Build from the ``[reflow]`` config section; the default takes no parameters."""
+        return cls()
+
+    @abc.abstractmethod
+    def add(self, sample: SampleRecord) -> None:
+        """``sample`` entered the replay pool."""
+
+    @abc.abstractmethod
+    def remove(self, sample_id: int) -> None:
+        """``sample_id`` left the replay pool (it may be one this sampler ignored)."""
+
+    @abc.abstractmethod
+    def available(self) -> int:
+        """How many distinct samples ``pick`` could return now."""
+
+    @abc.abstractmethod
+    def pick(self, k: int, rng: random.Random) -> list[int]:
+        """``k`` distinct replay sample ids (``k ≤ available()``); the index then removes them."""
+
+    def state_dict(self) -> Any:
+        """JSON-able state that makes a restored sampler pick exactly as this one would."""
+        return None
+
+    def load_state_dict(self, state: Any, samples: Sequence[SampleRecord]) -> None:
+        """Restore from ``state_dict()`` output; ``samples`` is the replay pool in insertion order.
+
+        ``state`` is None when the checkpoint was written by another sampler: rebuild from ``samples``.
+        """
+        for sample in samples:
+            self.add(sample)
+
+
+class PoolSampler(Sampler):
+    """Uniform choice among the eligible replay samples: an array plus a position map, so insert,
+    removal (swap with the last element) and a random pick of ``k`` cost O(1) each.
+
+    Subclasses narrow the pool by overriding :meth:`eligible`.
+    """
+
+    def __init__(self) -> None:
+        self._pool: list[int] = []
+        self._pos: dict[int, int] = {}
+
+    def eligible(self, sample: SampleRecord) -> bool:
+        return True
+
+    def add(self, sample: SampleRecord) -> None:
+        if self.eligible(sample):
+            self._pos[sample.sample_id] = len(self._pool)
+            self._pool.append(sample.sample_id)
+
+    def remove(self, sample_id: int) -> None:
+        i = self._pos.pop(sample_id, None)
+        if i is None:
+            return
+        last = self._pool.pop()
+        if last != sample_id:
+            self._pool[i] = last
+            self._pos[last] = i
+
+    def available(self) -> int:
+        return len(self._pool)
+
+    def pick(self, k: int, rng: random.Random) -> list[int]:
+        pool = self._pool
+        return [pool[i] for i in rng.sample(range(len(pool)), k)]
+
+    def state_dict(self) -> Any:
+        return {"pool": list(self._pool)}
+
+    def load_state_dict(self, state: Any, samples: Sequence[SampleRecord]) -> None:
+        eligible = [s.sample_id for s in samples if self.eligible(s)]
+        saved = state["pool"] if isinstance(state, dict) else None
+        # The saved order reproduces future picks; it applies only when the pool it describes is the
+        # one these settings give (a restart may change e.g. the reward band).
+        order = saved if saved is not None and sorted(saved) == sorted(eligible) else eligible
+        self._pool = list(order)
+        self._pos = {sid: i for i, sid in enumerate(self._pool)}
+
+    def __contains__(self, sample_id: int) -> bool:
+        return sample_id in self._pos
+
+
+@register_sampler("random")
+class RandomSampler(PoolSampler):
+    """Uniformly random replay samples (the paper's evaluation setting)."""
+
+
+@register_sampler("medium_reward")
+class MediumRewardSampler(PoolSampler):
+    """Only replay samples whose reward lies strictly inside (reward_low, reward_high): neither
+    solved nor hopeless prompts. Uniform among those."""
+
+    def __init__(self, reward_low: float = 0.0, reward_high: float = 1.0) -> None:
+        super().__init__()
+        if not reward_low < reward_high:
+            raise ValueError(f"medium_reward sampler: reward_low ({reward_low}) must be < reward_high ({reward_high})")
+        self.reward_low, self.reward_high = reward_low, reward_high
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "MediumRewardSampler":
+        return cls(settings.reward_low, settings.reward_high)
+
+    def eligible(self, sample: SampleRecord) -> bool:
+        return self.reward_low < sample.reward < self.reward_high
