@@ -1,0 +1,262 @@
+"""Checkpoints: one directory per step, written atomically, with a ``latest`` pointer.
+
+Layout under the checkpoint root::
+
+    step_000010/
+        model/           Hugging Face directory: config.json, *.safetensors, tokenizer files
+        trainer.pt       trainer state (optimizer, scheduler, step) and the RNG states of python,
+                         numpy and torch (CPU and every CUDA device)
+        extra/<key>.json what the caller adds: the coordinator stores the replay-buffer index and
+                         each worker's shard manifest here
+        meta.json        step and the keys of ``extra``; written last, so its presence marks a
+                         complete directory
+    latest               one line: the name of the newest complete step directory
+
+Rules it implements:
+
+- **Atomic.** Everything is written into a hidden temporary sibling (``.step_000010.tmp-<pid>``),
+  flushed to disk, and renamed into place; then ``latest`` is replaced atomically
+  (``os.replace``). A crash leaves either the previous checkpoint or the new one, never a
+  half-written directory that looks valid. Leftover temporary directories are ignored by readers
+  and removed by the next save.
+- **Found.** :func:`latest_checkpoint` follows ``latest``; when it is missing or names a
+  directory that is gone, the newest complete ``step_*`` directory is used.
+- **Retention.** ``keep_last = K > 0`` keeps the newest K step directories after a save (0 keeps
+  all); the one just written is never removed.
+- **Exact resume.** Model tensors go through safetensors and the optimizer state through
+  ``torch.save``, both bit-exact, so a run resumed from step k takes the same next step as the
+  uninterrupted run. ``trainer.pt`` is read with ``weights_only=True``: it holds only tensors and
+  plain Python values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_EXTRA_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
+LATEST = "latest"
+
+
+@dataclass
+class Checkpoint:
+    """What :func:`load_checkpoint` read."""
+    path: Path
+    step: int
+    trainer_state: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+# ------------------------------------------------------------------ RNG states
+
+def rng_states() -> dict[str, Any]:
+    """RNG states of python, numpy's global generator and torch, as plain values and tensors."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(np.asarray(key, dtype=np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_states(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, key, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------ save
+
+def save_checkpoint(root: str | os.PathLike, step: int, *, model: Any, tokenizer: Any = None,
+                    trainer_state: dict[str, Any], extra: dict[str, Any] | None = None, keep_last: int = 0,
+                    fsync: bool = True) -> Path:
+    """Write ``root/step_<step>/`` atomically, point ``root/latest`` at it, apply retention.
+
+    ``trainer_state`` is :meth:`reflow_hpc.train.trainer.Trainer.state_dict` (a ``model`` entry is
+    dropped: the model is stored as a Hugging Face directory). ``extra`` maps file-name-safe keys
+    to JSON-able values. Returns the step directory.
+    """
+    if step < 0:
+        raise ValueError(f"checkpoint step {step}: must be ≥ 0")
+    if keep_last < 0:
+        raise ValueError(f"keep_last = {keep_last}: must be ≥ 0 (0 keeps every checkpoint)")
+    extra = dict(extra or {})
+    for key in extra:
+        if not _EXTRA_KEY.match(key):
+            raise ValueError(f"checkpoint extra key {key!r}: use letters, digits, '_', '.', '-' only (a file name)")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(root)
+    name = step_dir_name(step)
+    final = root / name
+    tmp = root / f".{name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "model")
+        state = {k: v for k, v in trainer_state.items() if k != "model"}
+        torch.save({"step": int(step), "trainer": state, "rng": rng_states()}, tmp / "trainer.pt")
+        (tmp / "extra").mkdir()
+        for key, value in extra.items():
+            (tmp / "extra" / f"{key}.json").write_text(json.dumps(value))
+        (tmp / "meta.json").write_text(json.dumps({"step": int(step), "extra": sorted(extra), "format": 1}))
+        if fsync:
+            _fsync_tree(tmp)
+        old = None
+        if final.exists():
+            # A directory cannot be renamed over a non-empty one: move the old one aside first.
+            old = root / f".{name}.old-{os.getpid()}"
+            final.rename(old)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    pointer = root / f".{LATEST}.tmp-{os.getpid()}"
+    pointer.write_text(name + "\n")
+    if fsync:
+        _fsync_file(pointer)
+    os.replace(pointer, root / LATEST)
+    if fsync:
+        _fsync_dir(root)
+    if keep_last > 0:
+        for path in _complete_steps(root)[:-keep_last]:
+            if path.name != name:
+                shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    for p in root.iterdir():
+        if p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync_file(path)
+    except OSError:   # some file systems refuse fsync on directories; the data files are synced
+        pass
+
+
+def _fsync_tree(top: Path) -> None:
+    for dirpath, _, files in os.walk(top):
+        for f in files:
+            _fsync_file(Path(dirpath) / f)
+        _fsync_dir(Path(dirpath))
+
+
+# ------------------------------------------------------------------ find and load
+
+def _complete_steps(root: Path) -> list[Path]:
+    """Complete step directories (with meta.json), oldest first."""
+    found = []
+    for p in root.iterdir() if root.is_dir() else ():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / "meta.json").is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root`` (see the module docstring), or None."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if _STEP_DIR.match(name) and (root / name / "meta.json").is_file():
+            return root / name
+    steps = _complete_steps(root)
+    return steps[-1] if steps else None
+
+
+def load_checkpoint(path: str | os.PathLike, *, model: Any = None, trainer: Any = None, restore_rng: bool = True,
+                    map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Read a step directory; load its weights into ``model`` (default: ``trainer.model``), its
+    trainer state into ``trainer`` and, with ``restore_rng``, the RNG states of this process."""
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        why = "no such directory" if not path.exists() else "incomplete (no meta.json)"
+        raise FileNotFoundError(f"checkpoint {path}: {why}")
+    meta = json.loads((path / "meta.json").read_text())
+    blob = torch.load(path / "trainer.pt", map_location=map_location, weights_only=True)
+    extra = {key: json.loads((path / "extra" / f"{key}.json").read_text()) for key in meta.get("extra", [])}
+    if model is None and trainer is not None:
+        model = trainer.model
+    if model is not None:
+        load_model_weights(model, path / "model")
+    if trainer is not None:
+        trainer.load_state_dict(blob["trainer"])
+    if restore_rng:
+        set_rng_states(blob["rng"])
+    return Checkpoint(path=path, step=int(meta["step"]), trainer_state=blob["trainer"], extra=extra)
+
+
+def load_model_weights(model: Any, model_dir: str | os.PathLike) -> None:
+    """Copy the safetensors weights of a Hugging Face directory into ``model`` in place.
+
+    Every parameter of the model must be present (tied parameters are stored once); a tensor the
+    model lacks or a shape that differs fails naming the tensor and the directory.
+    """
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"checkpoint model {model_dir}: no *.safetensors files")
+    targets = dict(model.named_parameters())
+    targets.update((n, b) for n, b in model.named_buffers() if n not in targets)
+    seen = set()
+    with torch.no_grad():
+        for f in files:
+            for name, value in load_file(str(f)).items():
+                target = targets.get(name)
+                if target is None:
+                    if name in dict(model.named_parameters(remove_duplicate=False)):
+                        continue      # the second name of a tied parameter
+                    raise ValueError(f"checkpoint model {model_dir}: tensor {name} is not in the "
+                                     f"{type(model).__name__}")
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"checkpoint model {model_dir}: {name} has shape {tuple(value.shape)}, the "
+                                     f"model's is {tuple(target.shape)}")
+                target.copy_(value)
+                seen.add(name)
+    missing = [n for n in dict(model.named_parameters()) if n not in seen]
+    if missing:
+        raise ValueError(f"checkpoint model {model_dir}: {len(missing)} parameters missing, first {missing[0]}")
