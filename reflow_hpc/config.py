@@ -63,6 +63,12 @@ class RunConfig:
     poll_max_s: float = opt(0.01, "Longest back-off of a polling thread (bounds message latency when idle).", gt=0)
     mpiexec: str = opt("mpiexec", "Launcher used when `reflow_hpc.run` is started without MPI "
                                   "(it relaunches itself with `-n resources.workers`).")
+    eval_prompts: int = opt(128, "Held-out prompts of the greedy evaluation of the start and final policy at the "
+                                 "end of a run (0 = none).", ge=0)
+    heartbeat_s: float = opt(2.0, "Interval of the alive messages between coordinator and workers; a rank silent "
+                                  "for run.timeout_s ends the job with its name.", gt=0)
+    plugins: list[str] = opt([], "Modules imported on every rank before the config is validated: they register "
+                                 "their own samplers, replay filters and tasks.")
 
 
 @dataclass
@@ -72,18 +78,67 @@ class ModelConfig:
     warmstart: bool = opt(False, "Build and SFT-train the tiny CPU policy into `path` when it does not exist yet.")
     dtype: str = opt("float32", "Parameter dtype of trainer and rollout engine.",
                      choices=("float32", "bfloat16", "float16"))
+    tiny_hidden_size: int = opt(192, "Hidden size of the tiny Qwen3 policy that the warm start builds.", ge=8)
+    tiny_layers: int = opt(4, "Decoder layers of the tiny policy.", ge=1)
+    tiny_heads: int = opt(6, "Attention heads of the tiny policy.", ge=1)
+    tiny_kv_heads: int = opt(2, "Key/value heads of the tiny policy (grouped-query attention; divides tiny_heads).", ge=1)
+    tiny_head_dim: int = opt(32, "Dimension of one attention head of the tiny policy.", ge=2)
+    tiny_intermediate_size: int = opt(512, "MLP width of the tiny policy.", ge=1)
+    tiny_max_positions: int = opt(256, "Context length of the tiny policy in tokens (prompt + response).", ge=16)
+
+
+@dataclass
+class WarmstartConfig:
+    """Supervised warm start of the tiny CPU policy on worked solutions (`python -m reflow_hpc.warmstart`)."""
+    steps: int = opt(300, "Optimizer steps of the warm start.", ge=0)
+    batch_size: int = opt(32, "Worked solutions per step.", ge=1)
+    lr: float = opt(3e-3, "Peak learning rate (AdamW); linear warm-up, then cosine decay to zero.", gt=0)
+    warmup_steps: int = opt(20, "Linear warm-up steps.", ge=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
+    grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).", ge=0)
+    length_buckets: int = opt(8, "Batches drawn at once and regrouped by length, so short solutions are not "
+                                 "padded to the longest of the tail (1 = no regrouping).", ge=1)
+    eval_prompts: int = opt(200, "Held-out prompts of the greedy exact-match check before and after.", ge=0)
+    eval_batch_size: int = opt(64, "Prompts decoded together in the exact-match check.", ge=1)
+    max_new_tokens: int = opt(160, "Response token limit of the exact-match check (all turns together).", ge=1)
+    threads: int = opt(2, "torch intra-op threads of the warm start.", ge=1)
+    log_every: int = opt(50, "Print the training loss every this many steps (0 = never).", ge=0)
 
 
 @dataclass
 class DataConfig:
     """Prompt files for tasks that read them."""
     path: str = opt("", "JSONL or parquet file of prompts and answers (tasks that read a file, e.g. math_boxed).")
+    prompt_key: str = opt("prompt", "Field of a record holding the prompt (dotted for nested fields; a list of "
+                                    "chat messages gives its last user message).")
+    answer_key: str = opt("answer", "Field of a record holding the reference answer (dotted for nested fields, "
+                                    "e.g. reward_model.ground_truth).")
+    shuffle: bool = opt(True, "Walk the file's prompts in an order reshuffled every epoch from run.seed.")
 
 
 @dataclass
 class TaskConfig:
     """What the policy is asked to do and how it is rewarded."""
-    name: str = opt("arithmetic", "Task or environment.", choices=("arithmetic", "math_boxed", "calculator_tool"))
+    name: str = opt("arithmetic", "Task or environment (registered name; built in: arithmetic, math_boxed, "
+                                  "calculator_tool).")
+    eval_fraction: float = opt(0.05, "Fraction of prompt texts held out for evaluation (chosen by a hash of the "
+                                     "text, so train and eval never share a prompt).", ge=0, le=1)
+    chat_template: bool = opt(False, "Wrap each prompt as one user message with the tokenizer's chat template "
+                                     "(instruct models); false = raw text.")
+    digits: int = opt(2, "arithmetic, calculator_tool: max digits of an operand (1 to digits, uniform).", ge=1, le=18)
+    ops: str = opt("+", "arithmetic, calculator_tool: operators between terms.", choices=("+", "+-"))
+    min_terms: int = opt(2, "arithmetic, calculator_tool: fewest terms of a problem.", ge=2)
+    max_terms: int = opt(10, "arithmetic, calculator_tool: most terms of a problem (bounds the response length).", ge=2)
+    more_terms_prob: float = opt(0.45, "arithmetic, calculator_tool: probability of one more term after "
+                                       "min_terms, repeatedly (the long tail of response lengths).", ge=0, lt=1)
+    max_turns: int = opt(4, "calculator_tool: model turns per sample (tool calls + final answer).", ge=1)
+    turn_timeout_s: float = opt(1.0, "calculator_tool: time limit of one tool call; past it the observation "
+                                     "is an error.", gt=0)
+    tool_max_chars: int = opt(200, "calculator_tool: longest expression the calculator accepts.", ge=1)
+    tool_max_nodes: int = opt(64, "calculator_tool: most syntax-tree nodes of an expression.", ge=1)
+    tool_max_depth: int = opt(16, "calculator_tool: deepest nesting of an expression.", ge=1)
+    tool_max_exponent: int = opt(64, "calculator_tool: largest |exponent| of **.", ge=0)
+    tool_max_digits: int = opt(40, "calculator_tool: most digits of any intermediate result.", ge=1)
 
 
 @dataclass
@@ -125,6 +180,12 @@ class RolloutConfig:
     temperature: float = opt(1.0, "Sampling temperature.", gt=0)
     top_p: float = opt(1.0, "Nucleus sampling mass.", gt=0, le=1)
     max_new_tokens: int = opt(64, "Max response tokens per sample (all turns together).", ge=1)
+    max_model_len: int = opt(0, "Max tokens of one sample (prompt + response); each of the max_concurrency KV-cache "
+                                "slots of the torch engine holds this many; ≤ kv_budget_tokens. 0 = the model's "
+                                "max_position_embeddings, capped at kv_budget_tokens.", ge=0)
+    max_prefill_tokens: int = opt(4096, "Torch engine: most context tokens prefilled in one engine step (bounds the "
+                                        "decode stall when many requests are admitted at once; one longer request "
+                                        "is still admitted alone).", ge=1)
 
 
 @dataclass
@@ -139,6 +200,14 @@ class TrainerConfig:
     schedule: str = opt("constant", "Learning-rate schedule after warm-up.", choices=("constant", "cosine"))
     min_lr_ratio: float = opt(0.1, "Cosine schedule floor as a fraction of lr.", ge=0, le=1)
     grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).", ge=0)
+    adam_beta1: float = opt(0.9, "AdamW β1 (decay of the gradient mean).", ge=0, lt=1)
+    adam_beta2: float = opt(0.999, "AdamW β2 (decay of the squared-gradient mean).", ge=0, lt=1)
+    adam_eps: float = opt(1e-8, "AdamW ε added to the root of the squared-gradient mean.", gt=0)
+    allreduce_bucket_mb: float = opt(25.0, "Gradients are summed across trainer replicas in flat buckets of at "
+                                           "most this many MB per dtype (a larger tensor travels alone).", gt=0)
+    sync_bucket_mb: float = opt(256.0, "Weight sync broadcasts the trainer's weights to the rollout workers in "
+                                       "flat buckets of at most this many MB per dtype (a larger tensor travels "
+                                       "alone); receivers hold at most about one bucket beyond their model.", gt=0)
 
 
 @dataclass
@@ -163,14 +232,29 @@ class SchedulerConfig:
 class StorageConfig:
     """Node-local trajectory shards."""
     dir: str = opt("", "Node-local scratch root for shards; empty = $SLURM_TMPDIR, else $TMPDIR, else /tmp.")
+    flush_rows: int = opt(256, "Write the pending samples to the shard as one checksummed batch and flush the "
+                               "file once this many are pending (a crash loses at most the pending ones).", ge=1)
+    flush_s: float = opt(5.0, "Also flush pending samples this many seconds after the oldest of them was put.", gt=0)
+    fsync: bool = opt(False, "fsync each flushed batch, closed segment and manifest (survives a node crash, "
+                             "not only a process crash; slower).")
+    segment_mib: float = opt(512.0, "Close the shard segment and start a new one once it holds this many MiB "
+                                    "of sample data.", gt=0)
+    memory_mib: float = opt(1024.0, "Memory cache of sample payloads per worker; beyond it the oldest samples "
+                                    "are served from the shard (0 = always read the shard).", ge=0)
+    chunk_tokens: int = opt(65536, "HDF5 chunk length of the per-token datasets (tokens, logprobs, versions).", ge=1)
+    chunk_rows: int = opt(1024, "HDF5 chunk length of the per-sample datasets (offsets, rows, meta, batches).", ge=1)
+    collect: bool = opt(True, "At the end of a run copy every worker's shards into `<run dir>/shards/` "
+                              "(node-local scratch is usually wiped when the job ends).")
 
 
 @dataclass
 class CheckpointConfig:
     """Checkpoints of trainer state and replay buffer."""
     dir: str = opt("", "Checkpoint directory; empty = `<run dir>/checkpoints`.")
-    every_steps: int = opt(0, "Save every this many steps (0 = only at the end of the run).", ge=0)
+    every_steps: int = opt(0, "Save every this many steps (0 = only at the end of the run); a multiple of "
+                              "reflow.sync_every, so saved weights always match a published version.", ge=0)
     resume: bool = opt(True, "Resume from the newest checkpoint in `dir` when one exists.")
+    keep_last: int = opt(2, "Checkpoints kept after a save (0 = keep all).", ge=0)
 
 
 @dataclass
@@ -196,6 +280,7 @@ class SlurmConfig:
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     data: DataConfig = field(default_factory=DataConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -377,10 +462,25 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     if cfg.reflow.reward_low >= cfg.reflow.reward_high:
         raise ConfigError("reflow.reward_low", cfg.reflow.reward_low,
                           f"must be < reflow.reward_high ({cfg.reflow.reward_high})")
+    if cfg.b_max < cfg.algorithm.group_size:
+        key, val = ("reflow.b_max", cfg.reflow.b_max) if cfg.reflow.b_max else ("trainer.batch_size", cfg.trainer.batch_size)
+        raise ConfigError(key, val, f"must be ≥ algorithm.group_size ({cfg.algorithm.group_size}): "
+                                    f"groups are dispatched whole")
+    if cfg.checkpoint.every_steps % cfg.reflow.sync_every:
+        raise ConfigError("checkpoint.every_steps", cfg.checkpoint.every_steps,
+                          f"must be a multiple of reflow.sync_every ({cfg.reflow.sync_every})")
     if cfg.run.poll_min_s > cfg.run.poll_max_s:
         raise ConfigError("run.poll_min_s", cfg.run.poll_min_s, f"must be ≤ run.poll_max_s ({cfg.run.poll_max_s})")
     if cfg.slurm.mpi not in ("pmi2", "pmix", "pmi1", "none", "cray_shasta") and not cfg.slurm.mpi.startswith("pmix_"):
         raise ConfigError("slurm.mpi", cfg.slurm.mpi, "allowed: pmi2, pmix, pmix_v<N>, pmi1, cray_shasta, none")
+    _load_registrations(cfg)
+    from .core.filters import replay_filter_names
+    from .core.samplers import sampler_names
+    if cfg.reflow.sampler not in sampler_names():
+        raise ConfigError("reflow.sampler", cfg.reflow.sampler, "registered: " + ", ".join(sampler_names()))
+    if cfg.reflow.replay_filter not in replay_filter_names():
+        raise ConfigError("reflow.replay_filter", cfg.reflow.replay_filter,
+                          "registered: " + ", ".join(replay_filter_names()))
     for hook in _VALIDATORS:
         hook(cfg)
     if check_files:
@@ -392,6 +492,16 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
 
 
 _VALIDATORS: list[Callable[[Config], None]] = []
+
+
+def _load_registrations(cfg: Config) -> None:
+    """Import what registers names and validators: built-in tasks, the engine factory, user plugins."""
+    import importlib
+    for module in ("reflow_hpc.envs", "reflow_hpc.rollout.factory", *cfg.run.plugins):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError("run.plugins", module, f"cannot import: {e}") from None
 
 
 def validator(fn: Callable[[Config], None]) -> Callable[[Config], None]:

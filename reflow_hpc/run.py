@@ -8,6 +8,7 @@ types one command. ``--check`` is the start-up self-check (handshake, all-reduce
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -75,7 +76,7 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
             from .runtime.selfcheck import CheckLogic, run_check
             rt = Runtime(cfg, lambda: CheckLogic(cfg, cfg.resources.workers))
         else:
-            from .train.loop import TrainingLogic
+            from .runtime.driver import TrainingLogic
             rt = Runtime(cfg, lambda: TrainingLogic(cfg))
     except LaunchError as e:
         print(f"reflow_hpc: {e}", file=sys.stderr, flush=True)
@@ -104,11 +105,76 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
                       f"{ok}, handshake {rt.coordinator.handshake_s * 1e3:.1f} ms; wrote {path}", flush=True)
             return 0 if report.allreduce_ok and report.mpi_allreduce_ok else 1
         op = "training"
-        from .train.loop import run_worker
-        return run_worker(rt)
+        return train(rt)
     except BaseException as e:  # noqa: BLE001 - one rank failing ends the job with a named error
         rt.fail(op, e)
         return 1
+
+
+def train(rt) -> int:
+    """One rank of a training run; rank 0 also reports, evaluates and, after USR2, requeues."""
+    from .runtime.dist import destroy
+    from .runtime.driver import STOP_SIGNALS
+    from .runtime.worker import Worker
+
+    logic = rt.coordinator.logic if rt.coordinator is not None else None
+    stop_signal: list[int] = []
+
+    def on_stop(signum: int, frame: object) -> None:
+        stop_signal.append(signum)
+        logic.request_stop(signum, frame)
+
+    # Slurm signals every task; only the coordinator acts, the others wait for its Stop.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_stop if logic is not None else signal.SIG_IGN)
+    worker = Worker(rt)
+    worker.run()
+    rt.shutdown()
+    destroy()
+    if logic is None:
+        return 0
+    summary = dict(logic.summary)
+    if rt.cfg.run.eval_prompts and worker.trainer is not None:
+        summary.update(evaluate(rt.cfg, worker.trainer.model, worker.tokenizer))
+    (rt.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(report(summary, rt.cfg), flush=True)
+    if stop_signal and stop_signal[0] == signal.SIGUSR2 and "SLURM_JOB_ID" in os.environ \
+            and summary.get("steps", 0) < rt.cfg.trainer.steps:
+        job = os.environ["SLURM_JOB_ID"]
+        print(f"requeueing Slurm job {job}: it resumes from the checkpoint just written", flush=True)
+        subprocess.run(["scontrol", "requeue", job], check=False)
+    return 0
+
+
+def evaluate(cfg: Config, final_model, tokenizer) -> dict:
+    """Held-out greedy reward of the starting policy and of the trained one, same prompts."""
+    from .envs import make_task
+    from .policy import load_policy
+    from .warmstart import exact_match
+
+    task = make_task(cfg)
+    prompts = [task.prompt(i, "eval") for i in range(cfg.run.eval_prompts)]
+    start_model, _ = load_policy(cfg.model.path, cfg.model.dtype, "cpu")
+    n = cfg.rollout.max_new_tokens
+    before = exact_match(start_model, tokenizer, task, prompts, n)
+    after = exact_match(final_model.to("cpu"), tokenizer, task, prompts, n)
+    return {"eval/prompts": len(prompts), "eval/start_reward": before, "eval/final_reward": after}
+
+
+def report(summary: dict, cfg: Config) -> str:
+    lines = [f"run {cfg.run.name}: {summary.get('steps')} steps in {summary.get('wall_seconds', 0):.0f} s "
+             f"({summary.get('mode')} mode); run directory {cfg.run_dir}"]
+    if "eval/start_reward" in summary:
+        lines.append(f"held-out greedy reward ({summary['eval/prompts']} prompts): start policy "
+                     f"{summary['eval/start_reward']:.3f} -> trained {summary['eval/final_reward']:.3f}")
+    lines.append(f"training reward of fresh samples: first steps {summary.get('reward_first_steps', float('nan')):.3f}"
+                 f" -> last steps {summary.get('reward_last_steps', float('nan')):.3f}")
+    b = summary.get("buffer", {})
+    ends = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in b.items()
+                     if k.startswith("buffer/") and k.split("/", 1)[1] in
+                     ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost"))
+    lines.append(f"samples: {b.get('buffer/created', 0)} created; ended: {ends}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

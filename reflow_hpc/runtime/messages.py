@@ -98,3 +98,95 @@ class CheckReport:
     allreduce_s: float
     mpi_allreduce_ok: bool
     extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training run (besides the commands of reflow_hpc.core.commands, which travel as they are)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Setup:
+    """Coordinator → every worker after the handshake: roles, groups and where to resume from."""
+    trainers: list[int]
+    rollouts: list[int]
+    colocated: bool                 # sync mode: every worker generates and trains
+    version: int                    # policy version the weights below correspond to
+    resume_from: str | None         # checkpoint directory, or None for a fresh start
+
+
+@dataclass
+class FinishedSample:
+    """What the coordinator's index needs of a finished sample (no payload)."""
+    sample_id: int
+    reward: float
+    min_version: int
+    max_version: int
+    loss_tokens: int
+    response_len: int
+    finish_reason: str
+    location: Any = None
+
+
+@dataclass
+class Ready:
+    """A worker is set up; ``inventory`` lists the finished samples it restored from its shards."""
+    rank: int
+    inventory: list[dict]           # {sample_id, group_id, prompt_id, reward, min_version, max_version, loss_tokens}
+    lost: list[int]                 # sample ids its shards lost in a crash
+
+
+@dataclass
+class SamplesFinished:
+    rank: int
+    samples: list[FinishedSample]
+    idle_s: float                   # cumulative rollout idle seconds of this worker
+    generated_tokens: int           # cumulative
+
+
+@dataclass
+class SamplesFailed:
+    rank: int
+    sample_ids: list[int]
+    error: str
+
+
+@dataclass
+class StepDone:
+    rank: int
+    step: int
+    stats: dict                     # trainer metrics of this replica (loss, grad_norm, lr, tokens, ...)
+    idle_s: float                   # time this replica waited for the batch
+    fetch_s: float
+
+
+@dataclass
+class SyncDone:
+    rank: int
+    version: int
+    seconds: float
+    bytes: int
+    resumed: int                    # in-flight samples held and resumed (partial rollouts)
+
+
+@dataclass
+class CheckpointDone:
+    rank: int
+    tag: str
+    manifest: dict                  # the worker's shard manifest summary
+
+
+@dataclass
+class Heartbeat:
+    """Either direction: I am alive (the service thread sends it while the main thread works)."""
+    rank: int
+    idle_s: float = 0.0
+    engine: dict = field(default_factory=dict)
+
+
+@dataclass
+class SaveCheckpoint:
+    """Coordinator → the first trainer once every other worker flushed: write the checkpoint.
+    ``extra`` holds the coordinator's state and every worker's shard manifest."""
+    tag: str
+    step: int
+    extra: dict

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 from .channel import ControlChannel
 from .failure import fatal
-from .messages import TAG_SERVICE, Stop
+from .messages import TAG_SERVICE, Heartbeat, Stop
 
 
 class ServiceThread(threading.Thread):
@@ -26,6 +27,9 @@ class ServiceThread(threading.Thread):
         self.pollers = list(pollers or [])
         self._stop_flag = threading.Event()
         self._on_fatal = on_fatal
+        self.last_heard = time.monotonic()       # last message from the coordinator
+        self.heartbeat: Callable[[], None] | None = None
+        self.heartbeat_s = 0.0
 
     def add_poller(self, poll: Callable[[], bool]) -> None:
         self.pollers.append(poll)
@@ -35,15 +39,21 @@ class ServiceThread(threading.Thread):
 
     def run(self) -> None:
         backoff = self.channel.backoff()
+        next_beat = time.monotonic()
         try:
             while not self._stop_flag.is_set():
                 busy = False
                 got = self.channel.poll(TAG_SERVICE)
                 if got is not None:
                     busy = True
-                    self.inbox.put(got[1])
+                    self.last_heard = time.monotonic()
+                    if not isinstance(got[1], Heartbeat):
+                        self.inbox.put(got[1])
                     if isinstance(got[1], Stop):
                         return
+                if self.heartbeat is not None and time.monotonic() >= next_beat:
+                    self.heartbeat()
+                    next_beat = time.monotonic() + self.heartbeat_s
                 for poll in self.pollers:
                     busy = poll() or busy
                 if busy:
@@ -64,8 +74,12 @@ class ServiceThread(threading.Thread):
         except queue.Empty:
             raise RankTimeout(self.channel.rank, op, timeout, peer="0 (coordinator)") from None
 
-    def poll_command(self) -> Any | None:
+    def poll_command(self, wait_s: float = 0.0) -> Any | None:
+        """The next command, waiting at most ``wait_s``; None when there is none."""
         try:
-            return self.inbox.get_nowait()
+            return self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return None
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_heard

@@ -1,0 +1,149 @@
+"""Samples through an engine and their task's environment: the rollout side of a worker.
+
+One engine request per model turn. When a turn ends on a tool-call stop token of a multi-turn task,
+the environment's observation is appended to the response (version −1, log-prob 0: not generated,
+no loss) and the same sample continues as a new request whose prefix is everything so far. A
+single-turn sample is one request. Rewards are computed here, on the worker that owns the sample.
+
+Partial rollout (DESIGN §6): :meth:`EpisodeRunner.interrupt` moves every in-flight request to a
+holding queue (``engine.abort_all``); after the weights are loaded :meth:`EpisodeRunner.resume`
+re-adds them, and the engine re-prefills prompt + partial response under the new weights, so one
+sample may carry tokens of several versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..envs.task import Episode, Prompt, Task, prompt_token_ids
+from ..trajectory import NOT_GENERATED, Trajectory
+from .engine import Completion, Engine, Request, SamplingParams
+
+
+@dataclass
+class _Sample:
+    sample_id: int
+    group_id: int
+    prompt_id: int
+    prompt: Prompt
+    prompt_tokens: np.ndarray
+    episode: Episode
+    turn_start: int = 0       # response index where the current model turn began
+
+
+class EpisodeRunner:
+    def __init__(self, engine: Engine, task: Task, tokenizer: Any, sampling: SamplingParams, *, owner: int,
+                 chat_template: bool = False):
+        self.engine, self.task, self.tokenizer = engine, task, tokenizer
+        self.owner = owner
+        self.chat_template = chat_template
+        self.stop_ids = tuple(task.stop_token_ids(tokenizer))
+        self.turn_end_ids = frozenset(self.stop_ids) - {tokenizer.eos_token_id}
+        self.sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens,
+                                       tuple(dict.fromkeys(sampling.stop_ids + self.stop_ids)), sampling.seed)
+        self._live: dict[int, _Sample] = {}
+        self._held: list[Completion] = []
+        self._cancelled: set[int] = set()
+        self.turns_completed = 0
+
+    # -- inbound -------------------------------------------------------------------------------
+
+    def add(self, sample_id: int, group_id: int, prompt_id: int) -> None:
+        prompt = self.task.prompt(prompt_id, "train")
+        tokens = np.asarray(prompt_token_ids(self.tokenizer, prompt.text, self.chat_template), dtype=np.int32)
+        self._live[sample_id] = _Sample(sample_id, group_id, prompt_id, prompt, tokens, self.task.start(prompt))
+        self.engine.add(Request(sample_id, tokens, self.sampling))
+
+    def cancel(self, sample_ids: Any) -> None:
+        """These samples ended at the coordinator: finish them silently (the engine may still run them)."""
+        for sid in sample_ids:
+            if sid in self._live:
+                self._cancelled.add(sid)
+
+    # -- work ------------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    def step(self) -> list[Trajectory]:
+        """One engine step; returns the samples whose episode ended (reward computed)."""
+        done: list[Trajectory] = []
+        for c in self.engine.step():
+            traj = self._on_turn_end(c)
+            if traj is not None:
+                done.append(traj)
+        return done
+
+    def interrupt(self) -> int:
+        """Hold every in-flight request (before a weight load); returns how many."""
+        self._held = self.engine.abort_all()
+        return len(self._held)
+
+    def resume(self) -> None:
+        """Continue held requests under the weights the engine holds now."""
+        held, self._held = self._held, []
+        for c in held:
+            if c.request_id in self._cancelled:
+                self._drop(c.request_id)
+                continue
+            self.engine.add(c.as_request(self.sampling))
+
+    def abandon(self) -> list[int]:
+        """End of run: drop everything in flight; returns their ids."""
+        self.engine.abort_all()
+        ids = sorted(self._live)
+        self._live.clear()
+        self._held.clear()
+        self._cancelled.clear()
+        return ids
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _drop(self, sample_id: int) -> None:
+        self._live.pop(sample_id, None)
+        self._cancelled.discard(sample_id)
+
+    def _on_turn_end(self, c: Completion) -> Trajectory | None:
+        s = self._live.get(c.request_id)
+        if s is None:
+            return None
+        if c.request_id in self._cancelled:
+            self._drop(c.request_id)
+            return None
+        self.turns_completed += 1
+        turn_tokens = c.response[s.turn_start:]
+        turn_text = self.tokenizer.decode(turn_tokens.tolist(), skip_special_tokens=True)
+        obs = s.episode.step(turn_text)
+        room = self.sampling.max_new_tokens - len(c.response)
+        if not obs.done and c.finish_reason == "stop" and room > 0:
+            obs_tokens = np.asarray(self.tokenizer.encode(obs.text, add_special_tokens=False), dtype=np.int32)
+            obs_tokens = obs_tokens[:room]
+            response = np.concatenate([c.response, obs_tokens])
+            logprobs = np.concatenate([c.logprobs, np.zeros(len(obs_tokens), np.float32)])
+            versions = np.concatenate([c.versions, np.full(len(obs_tokens), NOT_GENERATED, np.int32)])
+            if len(response) < self.sampling.max_new_tokens:
+                s.turn_start = len(response)
+                self.engine.add(Request(c.request_id, s.prompt_tokens, self.sampling, response, logprobs, versions))
+                return None
+            c = Completion(c.request_id, c.prompt, response, logprobs, versions, "length")
+        if not s.episode.done:
+            s.episode.end("length" if c.finish_reason == "length" or room <= 0 else c.finish_reason)
+        del self._live[c.request_id]
+        p = len(s.prompt_tokens)
+        return Trajectory(
+            sample_id=s.sample_id, group_id=s.group_id, prompt_id=s.prompt_id,
+            tokens=np.concatenate([s.prompt_tokens, c.response]),
+            logprobs=np.concatenate([np.zeros(p, np.float32), c.logprobs]),
+            versions=np.concatenate([np.full(p, NOT_GENERATED, np.int32), c.versions]),
+            prompt_len=p, reward=float(s.episode.reward()), finish_reason=s.episode.finish_reason,
+            owner=self.owner,
+            # `version` stands in for the token versions of a sample that generated nothing.
+            meta={"turns": s.episode.turns, "answer": s.prompt.answer, "version": int(self.engine.version)},
+        )

@@ -1,0 +1,287 @@
+"""The main thread of a worker during a training run (DESIGN §3, §6, §7).
+
+A worker is hybrid: its role — rollout, trainer, or both in colocated ``sync`` mode — is what the
+coordinator's :class:`~reflow_hpc.runtime.messages.Setup` says, and it builds what that role needs:
+the rollout engine with its episode runner and sample store (whose fetch server the service thread
+polls), the trainer with its fetch client, and the weight-sync endpoint. Then it executes commands
+in the order they arrive and, whenever it has requests in flight, steps the engine between them:
+
+- ``Dispatch`` → requests into the engine; finished samples go to the store (memory + shard) and
+  their metadata to the coordinator.
+- ``Train`` → fetch payloads from their owners, one optimizer step, ``StepDone``.
+- ``Sync`` → source: broadcast the weights in buckets; rollout: hold in-flight requests, load the
+  weights, resume them (partial rollout); colocated: load the worker's own trainer weights.
+- ``Drop`` / ``Cancel`` → free payloads / stop samples that ended; ``Checkpoint`` / ``SaveCheckpoint``
+  → flush shards / write the checkpoint; ``Stop`` → close the store, copy the shards into the run
+  directory, shut down.
+
+Every wait is bounded: the coordinator's heartbeat must arrive within ``run.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from ..core.commands import Cancel, Checkpoint, Dispatch, Drop, Sync, Train
+from .context import Runtime
+from .messages import (CheckpointDone, FinishedSample, Heartbeat, Ready, SamplesFinished, SaveCheckpoint, Setup,
+                       StepDone, Stop, SyncDone)
+from .mpi import RankTimeout
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else cfg.run_dir / "checkpoints"
+
+
+class Worker:
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.cfg = rt.cfg
+        self.rank = rt.rank
+        self.device = rt.topology.device if rt.topology else "cpu"
+        self.engine: Any = None
+        self.runner: Any = None
+        self.store: Any = None
+        self.fetcher: Any = None
+        self.trainer: Any = None
+        self.tokenizer: Any = None
+        self.wsync: Any = None
+        self.colocated = False
+        self.idle_s = 0.0              # rollout idle: nothing in flight
+        self.trainer_idle_since = time.monotonic()
+        self.stopped = False
+
+    # ------------------------------------------------------------------------------ set-up
+
+    def setup(self, msg: Setup) -> None:
+        import torch.distributed as dist
+        from .dist import init_process_group
+
+        cfg, rank = self.cfg, self.rank
+        self.colocated = msg.colocated
+        is_trainer = rank in msg.trainers
+        is_rollout = rank in msg.rollouts
+        init_process_group(self.rt.world, device=self.device, single_host=self.rt.single_host,
+                           timeout_s=cfg.run.timeout_s)
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        deadline = datetime.timedelta(seconds=cfg.run.timeout_s)
+        trainer_group = dist.new_group(sorted(msg.trainers), timeout=deadline)
+        sync_group = None if msg.colocated else dist.new_group(sorted({msg.trainers[0], *msg.rollouts}),
+                                                                timeout=deadline)
+
+        from ..policy import load_policy
+        model, self.tokenizer = load_policy(cfg.model.path, cfg.model.dtype, self.device)
+        if msg.resume_from:
+            from ..train.checkpoint import load_model_weights
+            load_model_weights(model, Path(msg.resume_from) / "model")
+        inventory: list[dict] = []
+        lost: list[int] = []
+        if is_trainer:
+            from ..train.trainer import Trainer
+            ref = None
+            if cfg.algorithm.kl_coef > 0:
+                ref, _ = load_policy(cfg.model.path, cfg.model.dtype, self.device)
+            train_model = copy.deepcopy(model) if is_rollout else model
+            self.trainer = Trainer(train_model, cfg, self.device, group=trainer_group if len(msg.trainers) > 1 else None,
+                                   ref_model=ref)
+            if msg.resume_from:
+                from ..train.checkpoint import load_checkpoint
+                load_checkpoint(msg.resume_from, trainer=self.trainer, restore_rng=False,
+                                map_location=self.device)
+            from ..storage.fetch import FetchClient
+        if is_rollout:
+            inventory, lost = self._build_rollout(model, msg)
+        if is_trainer:
+            from ..storage.fetch import FetchClient
+            self.fetcher = FetchClient(self.rt.data_comm, cfg.run.timeout_s, store=self.store,
+                                       poll_min_s=cfg.run.poll_min_s, poll_max_s=cfg.run.poll_max_s)
+        if sync_group is not None and (is_rollout or rank == msg.trainers[0]):
+            from ..train.weight_sync import WeightSync
+            src_model = self.trainer.model if rank == msg.trainers[0] else self.engine_model
+            self.wsync = WeightSync.for_model(src_model, src=msg.trainers[0], bucket_mb=cfg.trainer.sync_bucket_mb,
+                                              device=self.device, group=sync_group, timeout_s=cfg.run.timeout_s)
+        self.rt.send(Ready(rank, inventory, lost))
+
+    def _build_rollout(self, model: Any, msg: Setup) -> tuple[list[dict], list[int]]:
+        from ..envs import make_task
+        from ..rollout.episodes import EpisodeRunner
+        from ..rollout.factory import build_engine, sampling_params
+        from ..storage.fetch import FetchServer
+        from ..storage.store import SampleStore
+
+        cfg = self.cfg
+        self.engine_model = model
+        self.engine = build_engine(model, cfg.rollout, device=self.device, seed=cfg.run.seed, version=msg.version)
+        task = make_task(cfg)
+        self.runner = EpisodeRunner(self.engine, task, self.tokenizer, sampling_params(cfg.rollout), owner=self.rank,
+                                    chat_template=cfg.task.chat_template)
+        shard_dir = Path(self.rt.topology.scratch) / "shards"
+        existing = shard_dir.is_dir() and any(shard_dir.iterdir())
+        if existing and not msg.resume_from:
+            # A fresh run must not mix with an old run's rows: keep them, aside, for analysis.
+            aside = shard_dir.with_name(f"shards.old-{int(time.time())}")
+            shard_dir.rename(aside)
+            existing = False
+        self.store = SampleStore(shard_dir, self.rank, cfg.storage, resume=existing)
+        server = FetchServer(self.rt.data_comm, self.store, send_timeout_s=cfg.run.timeout_s)
+        self.rt.service.add_poller(server.poll)
+        inventory = []
+        lost: list[int] = []
+        if existing:
+            for sid in self.store.held_ids():
+                t = self.store.get([sid])[0]
+                lo, hi = _version_span(t)
+                inventory.append({"sample_id": t.sample_id, "group_id": t.group_id, "prompt_id": t.prompt_id,
+                                  "reward": t.reward, "min_version": lo, "max_version": hi,
+                                  "loss_tokens": t.num_loss_tokens})
+            lost = list(self.store.lost_ids())
+            self.store.release(self.store.held_ids())
+        return inventory, lost
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        svc = self.rt.service
+        svc.heartbeat = lambda: self.rt.send(Heartbeat(self.rank, self.idle_s))
+        svc.heartbeat_s = self.cfg.run.heartbeat_s
+        setup = self._wait(lambda m: isinstance(m, Setup), "waiting for setup")
+        self.setup(setup)
+        while not self.stopped:
+            busy = self.runner is not None and self.runner.has_work()
+            cmd = svc.poll_command(0.0 if busy else 0.05)
+            if cmd is not None:
+                self.handle(cmd)
+                continue
+            if busy:
+                self._generate()
+            else:
+                if self.runner is not None:
+                    self.idle_s += 0.05
+                if svc.silent_for() > self.cfg.run.timeout_s:
+                    raise RankTimeout(self.rank, "waiting for work", self.cfg.run.timeout_s, peer="0 (coordinator)")
+        return 0
+
+    def _wait(self, want: Any, op: str) -> Any:
+        while True:
+            msg = self.rt.next_command(op)
+            if want(msg):
+                return msg
+            if isinstance(msg, Stop):
+                raise RuntimeError(f"rank {self.rank}: {op}: the coordinator stopped the run")
+
+    def _generate(self) -> None:
+        finished = self.runner.step()
+        if not finished:
+            return
+        self.store.put(finished)
+        self.store.maybe_flush()
+        metas = [FinishedSample(t.sample_id, t.reward, *_version_span(t), t.num_loss_tokens,
+                                t.response_len, t.finish_reason, None) for t in finished]
+        self.rt.send(SamplesFinished(self.rank, metas, self.idle_s, self.engine.stats().generated_tokens))
+
+    def handle(self, cmd: Any) -> None:
+        if isinstance(cmd, Dispatch):
+            for s in cmd.samples:
+                self.runner.add(s.sample_id, s.group_id, s.prompt_id)
+        elif isinstance(cmd, Train):
+            self._train(cmd)
+        elif isinstance(cmd, Sync):
+            self._sync(cmd)
+        elif isinstance(cmd, Drop):
+            self.store.release(cmd.sample_ids)
+        elif isinstance(cmd, Cancel):
+            self.runner.cancel(cmd.sample_ids)
+        elif isinstance(cmd, Checkpoint):
+            self.rt.send(CheckpointDone(self.rank, cmd.tag, self._flush_manifest()))
+        elif isinstance(cmd, SaveCheckpoint):
+            self._save_checkpoint(cmd)
+        elif isinstance(cmd, Stop):
+            self._stop()
+        else:
+            raise RuntimeError(f"rank {self.rank}: unexpected command {type(cmd).__name__}")
+
+    # ------------------------------------------------------------------------------ commands
+
+    def _train(self, cmd: Train) -> None:
+        from ..train.trainer import TrainItem
+        idle = time.monotonic() - self.trainer_idle_since
+        t0 = time.monotonic()
+        wanted: dict[int, list[int]] = {}
+        for it in cmd.items:
+            wanted.setdefault(it.owner, []).append(it.sample_id)
+        payload = self.fetcher.fetch(wanted)
+        fetch_s = time.monotonic() - t0
+        items = [TrainItem(payload[it.sample_id], it.advantage, it.weight, it.is_replay) for it in cmd.items]
+        if self.colocated:
+            self.engine.sleep()
+            self.trainer.onload()
+        stats = self.trainer.train_step(items, cmd.batch_loss_tokens)
+        if self.colocated:
+            self.trainer.offload()
+            self.engine.wake()
+        stats["staleness_max"] = max((it.staleness for it in cmd.items), default=0)
+        self.rt.send(StepDone(self.rank, cmd.step, stats, idle, fetch_s))
+        self.trainer_idle_since = time.monotonic()
+
+    def _sync(self, cmd: Sync) -> None:
+        t0 = time.monotonic()
+        nbytes, resumed = 0, 0
+        if cmd.src is None:                                  # colocated: our own trainer's weights
+            self.engine.load_weights(self.trainer.named_weights(), cmd.version)
+        elif self.rank == cmd.src:
+            stats = self.wsync.send(self.trainer.named_weights())
+            nbytes = stats.bytes
+        else:
+            resumed = self.runner.interrupt()
+            self.engine.load_weights(self.wsync.receive(), cmd.version)
+            self.runner.resume()
+            nbytes = self.wsync.bytes
+        self.rt.send(SyncDone(self.rank, cmd.version, time.monotonic() - t0, nbytes, resumed))
+
+    def _flush_manifest(self) -> dict:
+        if self.store is None:
+            return {}
+        self.store.flush()
+        stats = self.store.stats()
+        return {"directory": str(self.store.directory), **{k: v for k, v in stats.items()
+                                                          if isinstance(v, (int, float, str))}}
+
+    def _save_checkpoint(self, cmd: SaveCheckpoint) -> None:
+        from ..train.checkpoint import save_checkpoint
+        extra = dict(cmd.extra)
+        manifests = dict(extra.get("manifests", {}))
+        manifests[str(self.rank)] = self._flush_manifest()
+        extra["manifests"] = manifests
+        path = save_checkpoint(checkpoint_root(self.cfg), cmd.step, model=self.trainer.model, tokenizer=self.tokenizer,
+                               trainer_state=self.trainer.state_dict(include_model=False), extra=extra,
+                               keep_last=self.cfg.checkpoint.keep_last)
+        self.rt.send(CheckpointDone(self.rank, cmd.tag, {"path": str(path)}))
+
+    def _stop(self) -> None:
+        self.stopped = True
+        if self.runner is not None:
+            self.runner.abandon()
+        if self.store is not None:
+            self.store.close()
+            if self.cfg.storage.collect:
+                dest = self.cfg.run_dir / "shards" / f"rank{self.rank:05d}"
+                if dest.exists():
+                    shutil.rmtree(dest)
+                shutil.copytree(self.store.directory, dest)
+
+
+def _version_span(t: Any) -> tuple[int, int]:
+    """(min, max) token version; a sample that generated nothing counts as of the version it ran under."""
+    if t.min_version >= 0:
+        return t.min_version, t.max_version
+    v = int(t.meta.get("version", 0))
+    return v, v
+
+

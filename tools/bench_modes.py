@@ -1,0 +1,162 @@
+"""The four pipeline modes side by side on the same config, seed, workers and batches.
+
+    python tools/bench_modes.py [CONFIG] [--steps N] [--warmup-steps K] [--modes sync,reflow,...]
+                                [--peer trl] [--set section.key=value ...] [--json]
+
+Each mode is one real run (``python -m reflow_hpc.run``: MPI ranks, engine, trainer, shards) of
+``--steps`` optimizer steps of ``trainer.batch_size`` samples; all start from the same warm-started
+policy with the same seed. Per mode it reports the paper's throughput (tokens processed by the
+trainer ÷ step time, averaged over the steps after ``--warmup-steps``), trainer and rollout idle
+ratios, final training reward and held-out greedy reward, and wall time; then the ratios
+reflow ÷ sync and reflow ÷ fully_async. ``--peer trl`` adds TRL's GRPOTrainer on the same model,
+task and reward (``tools/peer_trl.py``; needs the ``bench`` extra). With ``--json`` the last line
+is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from reflow_hpc.config import load  # noqa: E402
+from reflow_hpc.metrics import read_jsonl  # noqa: E402
+
+MODES = ("sync", "one_step_off", "fully_async", "reflow")
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def run_mode(config: str, mode: str, steps: int, warmup: int, sets: list[str], out: Path, timeout: float) -> dict:
+    name = f"bench-{mode}"
+    args = [sys.executable, "-m", "reflow_hpc.run", config, "--set", f"reflow.mode={mode}",
+            "--set", f"trainer.steps={steps}", "--set", f"run.output_dir={out}", "--set", f"run.name={name}",
+            "--set", f"storage.dir={out / 'scratch' / mode}", "--set", "checkpoint.resume=false"]
+    for s in sets:
+        args += ["--set", s]
+    t0 = time.monotonic()
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    wall = time.monotonic() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"bench_modes: mode {mode} failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    run_dir = out / name
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    measured = [m for m in metrics if m["step"] > warmup] or metrics
+    tokens = sum(m["tokens"] for m in measured)
+    seconds = sum(m["step_seconds"] for m in measured)
+    return {
+        "system": "reflow_hpc", "mode": mode, "steps": len(metrics),
+        "throughput_tokens_per_s": tokens / seconds if seconds else math.nan,
+        "idle_ratio/trainer": _mean(m["idle_ratio/trainer"] for m in measured),
+        "idle_ratio/rollout": _mean(m["idle_ratio/rollout"] for m in measured),
+        "replay_fraction": _mean(m["replay_fraction"] for m in measured),
+        "staleness/mean": _mean(m["staleness/mean"] for m in measured),
+        "sync_seconds": _mean(m["sync_seconds"] for m in measured),
+        "reward_first_steps": summary.get("reward_first_steps"),
+        "reward_last_steps": summary.get("reward_last_steps"),
+        "eval/start_reward": summary.get("eval/start_reward"),
+        "eval/final_reward": summary.get("eval/final_reward"),
+        "trained_tokens": sum(m["tokens"] for m in metrics),
+        "train_seconds": sum(m["step_seconds"] for m in metrics),
+        "wall_seconds": wall,
+        "time_split": _time_split(measured),
+    }
+
+
+def _time_split(measured: list[dict]) -> dict:
+    """Where a step's time goes, averaged: trainer compute, fetch, waiting for data."""
+    return {
+        "step_s": _mean(m["step_seconds"] for m in measured),
+        "trainer_compute_s": _mean(m.get("trainer/seconds") for m in measured),
+        "fetch_s": _mean(m.get("fetch_seconds") for m in measured),
+        "trainer_wait_s": _mean(m["idle_ratio/trainer"] * m["step_seconds"] for m in measured),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    cols = [("system", "system", "{}"), ("mode", "mode", "{}"), ("tok/s", "throughput_tokens_per_s", "{:.0f}"),
+            ("idle T", "idle_ratio/trainer", "{:.1%}"), ("idle R", "idle_ratio/rollout", "{:.1%}"),
+            ("replay", "replay_fraction", "{:.2f}"), ("reward first", "reward_first_steps", "{:.3f}"),
+            ("reward last", "reward_last_steps", "{:.3f}"), ("eval start", "eval/start_reward", "{:.3f}"),
+            ("eval final", "eval/final_reward", "{:.3f}"), ("train s", "train_seconds", "{:.1f}"),
+            ("wall s", "wall_seconds", "{:.1f}")]
+    def cell(row, key, fmt):
+        v = row.get(key)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        return fmt.format(v)
+    data = [[h for h, _, _ in cols]] + [[cell(r, k, f) for _, k, f in cols] for r in rows]
+    widths = [max(len(line[i]) for line in data) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in data]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", nargs="?", default=str(ROOT / "configs" / "cpu_tiny.toml"))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--peer", choices=("trl",), default=None)
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--out", default=None, help="directory for the runs (default: a temporary one)")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    cfg = load(args.config, args.sets)
+    if cfg.model.warmstart and not (Path(cfg.model.path) / "config.json").is_file():
+        from reflow_hpc.warmstart import ensure_policy
+        ensure_policy(cfg)
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_modes-"))
+    rows = []
+    for mode in args.modes.split(","):
+        print(f"bench_modes: running {mode} ({args.steps} steps) ...", file=sys.stderr, flush=True)
+        rows.append(run_mode(args.config, mode, args.steps, args.warmup_steps, args.sets, out, args.timeout))
+    if args.peer == "trl":
+        sys.path.insert(0, str(ROOT / "tools"))
+        from peer_trl import run_trl
+        print("bench_modes: running TRL GRPOTrainer ...", file=sys.stderr, flush=True)
+        peer = run_trl(cfg, steps=args.steps, log=lambda *a, **k: None)
+        peer.setdefault("mode", "GRPOTrainer")
+        rows.append(peer)
+    by = {r["mode"]: r for r in rows if r.get("system") == "reflow_hpc"}
+    ratios = {}
+    if "reflow" in by:
+        for base in ("sync", "fully_async", "one_step_off"):
+            if base in by:
+                ratios[f"reflow/{base}"] = by["reflow"]["throughput_tokens_per_s"] / by[base]["throughput_tokens_per_s"]
+        if "sync" in by:
+            ratios["final_reward_gap_vs_sync"] = (by["reflow"]["reward_last_steps"] or math.nan) - \
+                                                 (by["sync"]["reward_last_steps"] or math.nan)
+    print(table(rows))
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}" if "gap" not in k else f"{k}: {v:+.3f}")
+    targets = {"reflow/sync": 1.6, "reflow/fully_async": 1.25}
+    for k, t in targets.items():
+        if k in ratios:
+            print(f"target {k} ≥ {t}: {'met' if ratios[k] >= t else 'NOT met'} ({ratios[k]:.2f})")
+    if "reflow" in by:
+        r = by["reflow"]
+        print(f"target reflow idle: trainer {r['idle_ratio/trainer']:.1%} (≤ 10%), rollout {r['idle_ratio/rollout']:.1%} (≤ 2%)")
+    if args.json:
+        print(json.dumps({"config": args.config, "steps": args.steps, "warmup_steps": args.warmup_steps,
+                          "rows": rows, "ratios": ratios, "out": str(out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
