@@ -91,16 +91,16 @@ class ModelConfig:
 class WarmstartConfig:
     """Supervised warm start of the tiny CPU policy on worked solutions (`python -m reflow_hpc.warmstart`)."""
     steps: int = opt(300, "Optimizer steps of the warm start.", ge=0)
-    batch_size: int = opt(32, "Worked solutions per step.", ge=1)
-    lr: float = opt(3e-3, "Peak learning rate (AdamW); linear warm-up, then cosine decay to zero.", gt=0)
+    batch_size: int = opt(16, "Worked solutions per step.", ge=1)
+    lr: float = opt(2e-3, "Peak learning rate (AdamW); linear warm-up, then cosine decay to zero.", gt=0)
     warmup_steps: int = opt(20, "Linear warm-up steps.", ge=0)
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
     grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).", ge=0)
     length_buckets: int = opt(8, "Batches drawn at once and regrouped by length, so short solutions are not "
                                  "padded to the longest of the tail (1 = no regrouping).", ge=1)
-    eval_prompts: int = opt(200, "Held-out prompts of the greedy exact-match check before and after.", ge=0)
-    eval_batch_size: int = opt(64, "Prompts decoded together in the exact-match check.", ge=1)
-    max_new_tokens: int = opt(160, "Response token limit of the exact-match check (all turns together).", ge=1)
+    eval_prompts: int = opt(128, "Held-out prompts of the greedy exact-match check before and after.", ge=0)
+    eval_batch_size: int = opt(128, "Prompts decoded together in the exact-match check.", ge=1)
+    max_new_tokens: int = opt(128, "Response token limit of the exact-match check (all turns together).", ge=1)
     threads: int = opt(2, "torch intra-op threads of the warm start.", ge=1)
     log_every: int = opt(50, "Print the training loss every this many steps (0 = never).", ge=0)
 
@@ -125,11 +125,11 @@ class TaskConfig:
                                      "text, so train and eval never share a prompt).", ge=0, le=1)
     chat_template: bool = opt(False, "Wrap each prompt as one user message with the tokenizer's chat template "
                                      "(instruct models); false = raw text.")
-    digits: int = opt(2, "arithmetic, calculator_tool: max digits of an operand (1 to digits, uniform).", ge=1, le=18)
+    digits: int = opt(1, "arithmetic, calculator_tool: max digits of an operand (1 to digits, uniform).", ge=1, le=18)
     ops: str = opt("+", "arithmetic, calculator_tool: operators between terms.", choices=("+", "+-"))
     min_terms: int = opt(2, "arithmetic, calculator_tool: fewest terms of a problem.", ge=2)
-    max_terms: int = opt(10, "arithmetic, calculator_tool: most terms of a problem (bounds the response length).", ge=2)
-    more_terms_prob: float = opt(0.45, "arithmetic, calculator_tool: probability of one more term after "
+    max_terms: int = opt(12, "arithmetic, calculator_tool: most terms of a problem (bounds the response length).", ge=2)
+    more_terms_prob: float = opt(0.5, "arithmetic, calculator_tool: probability of one more term after "
                                        "min_terms, repeatedly (the long tail of response lengths).", ge=0, lt=1)
     max_turns: int = opt(4, "calculator_tool: model turns per sample (tool calls + final answer).", ge=1)
     turn_timeout_s: float = opt(1.0, "calculator_tool: time limit of one tool call; past it the observation "

@@ -1,1 +1,12 @@
+"""Tasks and multi-turn environments (DESIGN §6): prompts, rewards, tool calls, the tiny tokenizer.
 
+Importing this package registers the built-in tasks (``arithmetic``, ``math_boxed``,
+``calculator_tool``) and their config validators; it imports neither torch nor transformers.
+"""
+
+from .task import (Episode, Observation, Prompt, Task, make_task, prompt_token_ids, register_task,
+                   task_names)
+from . import arithmetic, calculator_tool, math_boxed  # noqa: F401  (registration)
+
+__all__ = ["Episode", "Observation", "Prompt", "Task", "make_task", "prompt_token_ids", "register_task",
+           "task_names"]

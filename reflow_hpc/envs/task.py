@@ -1,0 +1,216 @@
+"""The task and environment interface, and the registry of tasks by name.
+
+A **task** hands out prompts and scores responses:
+
+- ``prompt(index, split)`` is deterministic in (``run.seed``, ``index``, ``split``): the same config
+  gives the same prompt for the same index on every rank and every restart, so prompts can be named by
+  index in control messages and checkpoints. ``split`` is ``"train"`` (what the RL run and the warm
+  start draw from) or ``"eval"`` (held out). A prompt belongs to the eval split when a stable hash of
+  its text falls into the first ``task.eval_fraction`` of the hash range, so the two splits never
+  share a prompt text.
+- ``reward(prompt, response)`` scores the full response text (every model turn and every observation
+  in order, special tokens such as eos removed).
+- ``solution_segments(prompt)`` is an optional worked solution for supervised warm start, as
+  ``(text, generated)`` segments: segments with ``generated = False`` (tool observations) are part of
+  the sequence but carry no loss, exactly like non-generated tokens in a sample.
+
+Every task is also an **environment**: ``start(prompt)`` opens an :class:`Episode`, and a rollout
+driver alternates model turns and observations::
+
+    episode = task.start(prompt)
+    stop = task.stop_token_ids(tokenizer)            # eos + end-of-tool-call marker, if any
+    while True:
+        turn_text = <generate until a stop id, decode with skip_special_tokens=True>
+        obs = episode.step(turn_text)
+        if obs.done:
+            break                                    # obs.finish_reason: stop | turns
+        <append tokenizer.encode(obs.text, add_special_tokens=False) with version -1, log-prob 0>
+    reward = episode.reward()
+
+A single-turn task's episode ends after the first turn; a multi-turn environment (``multi_turn =
+True``) turns a tool call at the end of a model turn into an observation, up to ``task.max_turns``
+model turns, each tool call bounded by ``task.turn_timeout_s``.
+
+Register a task with ``@register_task("name")`` on a class whose constructor takes the
+:class:`~reflow_hpc.config.Config`; ``make_task(cfg)`` builds ``task.name``. This package imports
+neither torch nor transformers (the config validator imports it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from ..config import ConfigError, validator
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+SPLITS = ("train", "eval")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_id: int   # identity of the prompt within its task and split (row number for file tasks)
+    text: str
+    answer: str      # reference answer, as text
+    meta: dict = field(default_factory=dict)   # small JSON-able extras (split, terms, ...)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the environment returns after a model turn."""
+    text: str = ""            # to append to the response (not generated: version -1, no loss)
+    done: bool = True
+    finish_reason: str = ""   # when done: stop (the model ended) | turns (turn limit reached)
+
+
+class Task:
+    """Base class of tasks: prompts by index, reward of a response, optional worked solution."""
+
+    name: ClassVar[str] = ""
+    multi_turn: ClassVar[bool] = False
+    stop: ClassVar[tuple[str, ...]] = ()   # strings that end a model turn besides eos
+
+    def __init__(self, cfg: "Config"):
+        self.cfg = cfg
+        self.seed = cfg.run.seed
+        self.eval_fraction = cfg.task.eval_fraction
+
+    # -- prompts and rewards ----------------------------------------------------------------
+
+    def prompt(self, index: int, split: str = "train") -> Prompt:
+        raise NotImplementedError
+
+    def size(self, split: str = "train") -> int | None:
+        """Distinct prompts in a split; None for a synthetic task (every index is a new prompt)."""
+        return None
+
+    def reward(self, prompt: Prompt, response: str) -> float:
+        raise NotImplementedError
+
+    def solution(self, prompt: Prompt) -> str | None:
+        """A worked solution (the response text a perfect policy would write), if the task has one."""
+        return None
+
+    def solution_segments(self, prompt: Prompt) -> list[tuple[str, bool]] | None:
+        """The worked solution as (text, generated) segments; observations are not generated."""
+        text = self.solution(prompt)
+        return None if text is None else [(text, True)]
+
+    # -- the environment side ---------------------------------------------------------------
+
+    def start(self, prompt: Prompt) -> "Episode":
+        return Episode(self, prompt)
+
+    def observe(self, episode: "Episode", turn_text: str) -> Observation:
+        """React to one model turn. Single-turn tasks end the episode at once."""
+        return Observation(done=True, finish_reason="stop")
+
+    def stop_token_ids(self, tokenizer: Any) -> tuple[int, ...]:
+        """Token ids that end a model turn: eos and each stop string, which must be one token."""
+        ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+        for s in self.stop:
+            enc = tokenizer.encode(s, add_special_tokens=False)
+            if len(enc) != 1:
+                raise ValueError(f"task {self.name}: stop string {s!r} is {len(enc)} tokens in this "
+                                 f"tokenizer; the engine stops on single token ids")
+            ids.append(int(enc[0]))
+        return tuple(ids)
+
+    # -- helpers for subclasses -------------------------------------------------------------
+
+    def in_eval_split(self, text: str) -> bool:
+        """The held-out rule: a stable hash of the prompt text (independent of the seed)."""
+        h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+        return h < self.eval_fraction * 2.0 ** 64
+
+    @staticmethod
+    def check_split(split: str) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}")
+
+
+class Episode:
+    """One sample's conversation with its environment; the response text grows turn by turn."""
+
+    def __init__(self, task: Task, prompt: Prompt):
+        self.task, self.prompt = task, prompt
+        self.turns = 0               # model turns seen so far
+        self.tool_calls = 0
+        self.parts: list[tuple[str, bool]] = []   # (text, generated) in order
+        self.finish_reason = ""
+
+    def step(self, turn_text: str) -> Observation:
+        if self.finish_reason:
+            raise RuntimeError(f"prompt {self.prompt.prompt_id}: episode already ended ({self.finish_reason})")
+        self.turns += 1
+        self.parts.append((turn_text, True))
+        obs = self.task.observe(self, turn_text)
+        if obs.text:
+            self.parts.append((obs.text, False))
+        if obs.done:
+            self.finish_reason = obs.finish_reason or "stop"
+        return obs
+
+    def end(self, finish_reason: str) -> None:
+        """End the episode from outside (e.g. the driver's response token limit was reached)."""
+        self.finish_reason = finish_reason
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def response(self) -> str:
+        return "".join(text for text, _ in self.parts)
+
+    def reward(self) -> float:
+        return self.task.reward(self.prompt, self.response)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+_TASKS: dict[str, Callable[["Config"], Task]] = {}
+
+
+def register_task(name: str) -> Callable[[type], type]:
+    """Class decorator: make a Task subclass available as ``task.name = name``."""
+    def deco(cls: type) -> type:
+        if name in _TASKS and _TASKS[name] is not cls:
+            raise ValueError(f"task {name!r} is registered twice ({_TASKS[name].__name__}, {cls.__name__})")
+        cls.name = name
+        _TASKS[name] = cls
+        return cls
+    return deco
+
+
+def task_names() -> list[str]:
+    return sorted(_TASKS)
+
+
+def make_task(cfg: "Config") -> Task:
+    """The task named by ``task.name``, built from the whole config."""
+    cls = _TASKS.get(cfg.task.name)
+    if cls is None:
+        raise ConfigError("task.name", cfg.task.name, "allowed: " + ", ".join(task_names()))
+    return cls(cfg)
+
+
+@validator
+def _check_task_name(cfg: "Config") -> None:
+    if cfg.task.name not in _TASKS:
+        raise ConfigError("task.name", cfg.task.name, "allowed: " + ", ".join(task_names()))
+
+
+def prompt_token_ids(tokenizer: Any, text: str, chat_template: bool = False) -> list[int]:
+    """Token ids of a prompt: raw text (with the tokenizer's bos rule), or a one-message chat."""
+    if chat_template:
+        out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer.encode(text)]
