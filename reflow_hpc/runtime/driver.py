@@ -134,6 +134,9 @@ class TrainingLogic:
     def on_start(self, hellos: list, handshake_s: float, now: float) -> list[tuple[int, Any]]:
         self.started_at = now
         self.last_seen = {r: now for r in range(self.world)}
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.cfg.run_dir / "ranks.json").write_text(json.dumps(
+            [{"rank": h.rank, "node": h.node, "hostname": h.hostname, "pid": h.pid} for h in hellos], indent=1) + "\n")
         resume = str(self.resume_from) if self.resume_from else None
         setup = Setup(self.trainers, self.rollouts, self.cfg.reflow.mode == "sync", self.index.version, resume)
         if resume:

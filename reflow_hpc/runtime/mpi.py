@@ -66,8 +66,9 @@ class Backoff:
     def progress(self) -> None:
         self.current = self.min_s
 
-    def idle(self) -> None:
-        time.sleep(self.current)
+    def idle(self, remaining_s: float | None = None) -> None:
+        """Sleep the current back-off (never past ``remaining_s``, the time left to a deadline)."""
+        time.sleep(self.current if remaining_s is None else max(0.0, min(self.current, remaining_s)))
         self.current = min(self.current * 2, self.max_s)
 
 

@@ -48,6 +48,7 @@ import numpy as np
 from mpi4py import MPI
 
 from reflow_hpc.config import RunConfig
+from reflow_hpc.runtime.mpi import Backoff
 from reflow_hpc.storage.schema import StorageError
 from reflow_hpc.storage.store import SampleStore
 from reflow_hpc.trajectory import Trajectory
@@ -88,22 +89,6 @@ def _require_thread_multiple() -> None:
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise StorageError("fetch needs MPI initialised with MPI_THREAD_MULTIPLE (set "
                            "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI)")
-
-
-class Backoff:
-    """Sleeps between unsuccessful polls: poll_min_s, doubling up to poll_max_s; reset on progress."""
-
-    def __init__(self, poll_min_s: float, poll_max_s: float):
-        self.min_s, self.max_s = poll_min_s, poll_max_s
-        self.delay = poll_min_s
-
-    def reset(self) -> None:
-        self.delay = self.min_s
-
-    def idle(self, remaining_s: float | None = None) -> None:
-        delay = self.delay if remaining_s is None else max(0.0, min(self.delay, remaining_s))
-        time.sleep(delay)
-        self.delay = min(self.delay * 2, self.max_s)
 
 
 # ------------------------------------------------------------------------------------------- owner
@@ -233,12 +218,12 @@ def serve(server: FetchServer, stop: threading.Event, *, poll_min_s: float, poll
     backoff = Backoff(poll_min_s, poll_max_s)
     while not stop.is_set():
         if server.poll():
-            backoff.reset()
+            backoff.progress()
             continue
         if on_idle is not None:
             on_idle()
         if server.replies_in_flight:
-            backoff.reset()     # a large reply moves only while this rank calls MPI: poll at the fast rate
+            backoff.progress()     # a large reply moves only while this rank calls MPI: poll at the fast rate
         backoff.idle()
 
 
@@ -333,10 +318,10 @@ class FetchClient:
                 raise FetchTimeout(f"fetch from {who} timed out after {timeout_s:.1f} s ({counts} samples)",
                                    ranks, out)
             if progressed:
-                backoff.reset()
+                backoff.progress()
                 continue
             if any(p.recvs for p in open_):
-                backoff.reset()     # a payload in transit moves only while this rank calls MPI
+                backoff.progress()     # a payload in transit moves only while this rank calls MPI
             backoff.idle(deadline - now)
 
     def _step(self, p: _Pending, out: dict[int, Trajectory]) -> bool:
