@@ -111,6 +111,22 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
         return 1
 
 
+def finish_rank(code: int) -> None:
+    """End this rank promptly after MPI_Finalize.
+
+    Finalize waits for every rank; once it returns, the launcher treats a rank that is still tearing
+    down its interpreter (torch, HDF5, thread pools) as hung and kills it with SIGKILL, turning a
+    successful run into a "bad termination". Everything this rank writes is closed by now.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    from .runtime.mpi import init
+    MPI = init()
+    if not MPI.Is_finalized():
+        MPI.Finalize()
+    os._exit(code)
+
+
 def train(rt) -> int:
     """One rank of a training run; rank 0 also reports, evaluates and, after USR2, requeues."""
     from .runtime.dist import destroy
@@ -177,7 +193,9 @@ def report(summary: dict, cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, exit_process: bool = True) -> int:
+    """``exit_process=False`` returns from a rank instead of finalizing MPI and exiting (for callers
+    that run a rank inside their own process, such as submitit's task wrapper)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
 
@@ -189,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                 from .warmstart import ensure_policy
                 ensure_policy(cfg)
             return relaunch(cfg, argv)
-        return run_rank(cfg, args)
+        code = run_rank(cfg, args)
+        if exit_process:
+            finish_rank(code)
+        return code
 
     return main_guard(go)
 

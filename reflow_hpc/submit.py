@@ -34,7 +34,7 @@ class RankJob:
 
     def __call__(self) -> int:
         from .run import main
-        code = main([self.config, *self.run_args])
+        code = main([self.config, *self.run_args], exit_process=False)
         if code != 0:
             raise RuntimeError(f"rank {os.environ.get('SLURM_PROCID', '?')} exited with code {code}")
         return code

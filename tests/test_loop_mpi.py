@@ -135,16 +135,45 @@ def test_partial_rollout_spans_a_sync_under_new_weights(tmp_path, policy_dir):
     assert checked >= 2
 
 
-def test_resume_continues_without_losing_flushed_samples(tmp_path, policy_dir):
+def test_usr2_checkpoints_then_resume_continues_without_losing_flushed_samples(tmp_path, policy_dir):
+    """Slurm's USR2 (time limit ahead) stops the run after the step in flight with a checkpoint; a new
+    process set resumes from it and the accounting identity holds over both."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
     name = f"resume{uuid.uuid4().hex[:6]}"
-    common = ("reflow.mode=reflow", "trainer.batch_size=16", "algorithm.group_size=4", "storage.flush_rows=1")
-    _, m1, s1, _ = run(tmp_path, policy_dir, *common, "trainer.steps=2", name=name)
-    assert [m["step"] for m in m1] == [1, 2]
-    _, m2, s2, r2 = run(tmp_path, policy_dir, *common, "trainer.steps=4", name=name)
+    sets = ["reflow.mode=reflow", "trainer.batch_size=16", "algorithm.group_size=4", "storage.flush_rows=1",
+            "trainer.steps=8", "reflow.delta=2"]
+    args = [sys.executable, "-m", "reflow_hpc.run", CFG]
+    for s_ in [f"run.output_dir={tmp_path}", f"run.name={name}", f"model.path={policy_dir}", "model.warmstart=false",
+               "run.eval_prompts=0", "run.timeout_s=90", f"storage.dir={tmp_path / 'scratch'}", *sets]:
+        args += ["--set", s_]
+    run_dir = tmp_path / name
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:                   # wait until two steps are done, then signal rank 0
+        m = run_dir / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    rank0 = json.loads((run_dir / "ranks.json").read_text())[0]["pid"]
+    os.kill(rank0, signal.SIGUSR2)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "stop requested" in out
+    m1 = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    s1 = json.loads((run_dir / "summary.json").read_text())
+    assert 2 <= s1["steps"] < 8 and len(m1) == s1["steps"]
+    assert (run_dir / "checkpoints" / f"step_{s1['steps']:06d}" / "meta.json").is_file()
+
+    _, m2, s2, r2 = run(tmp_path, policy_dir, *sets, name=name)
     assert "resuming from" in r2.stdout
-    assert [m["step"] for m in m2] == [1, 2, 3, 4]            # metrics appended after the first two
-    assert s2["steps"] == 4 and m2[-1]["version"] >= m1[-1]["version"]
-    # One accounting identity over both process sets, and every flushed sample accounted (none lost).
+    assert [m["step"] for m in m2] == list(range(1, 9))      # metrics appended after the first steps
+    assert s2["steps"] == 8 and m2[-1]["version"] >= m1[-1]["version"]
+    # One accounting identity over both process sets; every flushed sample is back or accounted.
     assert s2["buffer"]["buffer/created"] == _terminal(s2)
     assert s2["buffer"]["buffer/created"] > s1["buffer"]["buffer/created"]
     assert s2["buffer"]["buffer/lost"] == 0

@@ -48,6 +48,7 @@ class EpisodeRunner:
         self._held: list[Completion] = []
         self._cancelled: set[int] = set()
         self.turns_completed = 0
+        self.failed: list[tuple[int, str]] = []   # (sample id, error) of samples whose environment failed
 
     # -- inbound -------------------------------------------------------------------------------
 
@@ -76,7 +77,12 @@ class EpisodeRunner:
         """One engine step; returns the samples whose episode ended (reward computed)."""
         done: list[Trajectory] = []
         for c in self.engine.step():
-            traj = self._on_turn_end(c)
+            try:
+                traj = self._on_turn_end(c)
+            except Exception as e:       # a broken reward or tool ends this sample, not the worker
+                self._drop(c.request_id)
+                self.failed.append((c.request_id, f"{type(e).__name__}: {e}"))
+                continue
             if traj is not None:
                 done.append(traj)
         return done

@@ -132,6 +132,24 @@ class Runtime:
                 raise RankTimeout(0, "shutdown (coordinator thread did not end)", timeout)
         self.control.drain_sends(timeout)
         barrier(self.world, timeout=timeout, op="shutdown barrier")
+        # Late heartbeats and abandoned replies must not be left unreceived: MPI_Finalize refuses a
+        # communicator with unmatched messages. Every send started before the barrier, so after a
+        # second barrier nothing more can arrive.
+        for _ in range(2):
+            self._discard_pending()
+            barrier(self.world, timeout=timeout, op="shutdown barrier (drain)")
         if self.data_comm is not None:
             self.data_comm.Free()
             self.data_comm = None
+
+    def _discard_pending(self) -> None:
+        MPI = self.MPI
+        for comm in (self.world, self.data_comm):
+            if comm is None:
+                continue
+            while True:
+                status = MPI.Status()
+                handle = comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                if handle is None:
+                    break
+                handle.Recv([bytearray(max(1, status.Get_count(MPI.BYTE))), MPI.BYTE])   # raw: any payload

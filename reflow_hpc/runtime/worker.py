@@ -31,8 +31,8 @@ from typing import Any
 from ..config import Config
 from ..core.commands import Cancel, Checkpoint, Dispatch, Drop, Sync, Train
 from .context import Runtime
-from .messages import (CheckpointDone, FinishedSample, Heartbeat, Ready, SamplesFinished, SaveCheckpoint, Setup,
-                       StepDone, Stop, SyncDone)
+from .messages import (CheckpointDone, FinishedSample, Heartbeat, Ready, SamplesFailed, SamplesFinished,
+                       SaveCheckpoint, Setup, StepDone, Stop, SyncDone)
 from .mpi import RankTimeout
 
 
@@ -95,7 +95,6 @@ class Worker:
                 from ..train.checkpoint import load_checkpoint
                 load_checkpoint(msg.resume_from, trainer=self.trainer, restore_rng=False,
                                 map_location=self.device)
-            from ..storage.fetch import FetchClient
         if is_rollout:
             inventory, lost = self._build_rollout(model, msg)
         if is_trainer:
@@ -155,17 +154,17 @@ class Worker:
         self.setup(setup)
         while not self.stopped:
             busy = self.runner is not None and self.runner.has_work()
+            t0 = time.monotonic()
             cmd = svc.poll_command(0.0 if busy else 0.05)
+            if not busy and self.runner is not None:
+                self.idle_s += time.monotonic() - t0        # nothing to generate: rollout idle
             if cmd is not None:
                 self.handle(cmd)
                 continue
             if busy:
                 self._generate()
-            else:
-                if self.runner is not None:
-                    self.idle_s += 0.05
-                if svc.silent_for() > self.cfg.run.timeout_s:
-                    raise RankTimeout(self.rank, "waiting for work", self.cfg.run.timeout_s, peer="0 (coordinator)")
+            elif svc.silent_for() > self.cfg.run.timeout_s:
+                raise RankTimeout(self.rank, "waiting for work", self.cfg.run.timeout_s, peer="0 (coordinator)")
         return 0
 
     def _wait(self, want: Any, op: str) -> Any:
@@ -178,6 +177,9 @@ class Worker:
 
     def _generate(self) -> None:
         finished = self.runner.step()
+        if self.runner.failed:
+            failed, self.runner.failed = self.runner.failed, []
+            self.rt.send(SamplesFailed(self.rank, [sid for sid, _ in failed], failed[0][1]))
         if not finished:
             return
         self.store.put(finished)
@@ -244,6 +246,7 @@ class Worker:
             self.runner.resume()
             nbytes = self.wsync.bytes
         self.rt.send(SyncDone(self.rank, cmd.version, time.monotonic() - t0, nbytes, resumed))
+        self.trainer_idle_since = time.monotonic()        # broadcasting is work, not waiting
 
     def _flush_manifest(self) -> dict:
         if self.store is None:
