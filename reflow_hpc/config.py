@@ -225,7 +225,9 @@ class ResourcesConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Adaptive generation scheduling and placement."""
+    """Generation scheduling and placement."""
+    queue_samples: int = opt(32, "Samples a rollout worker may hold queued beyond its running slots "
+                                "(rollout.max_concurrency); keeps its engine busy between dispatches.", ge=0)
 
 
 @dataclass

@@ -60,7 +60,8 @@ def test_each_mode_runs_with_invariants(tmp_path, policy_dir, mode):
     steps = 4
     sigma, delta = 0.5, 1
     run_dir, metrics, summary, r = run(tmp_path, policy_dir, f"reflow.mode={mode}", f"trainer.steps={steps}",
-                                       "trainer.batch_size=16", "algorithm.group_size=4", "rollout.max_concurrency=16")
+                                       "trainer.batch_size=16", "algorithm.group_size=4", "rollout.max_concurrency=16",
+                                       "reflow.sync_every=1")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     versions = [m["version"] for m in metrics]
     assert versions == sorted(versions) and versions[-1] >= steps - 1          # a sync every step
@@ -108,7 +109,7 @@ def test_partial_rollout_spans_a_sync_under_new_weights(tmp_path, policy_dir):
     steps = 4
     run_dir, metrics, summary, _ = run(
         tmp_path, policy_dir, "reflow.mode=fully_async", f"trainer.steps={steps}", "trainer.batch_size=16",
-        "algorithm.group_size=4", "checkpoint.every_steps=1", "checkpoint.keep_last=0",
+        "algorithm.group_size=4", "checkpoint.every_steps=1", "checkpoint.keep_last=0", "reflow.sync_every=1",
         "rollout.max_new_tokens=96", "rollout.max_concurrency=32", "reflow.b_max=32", "reflow.delta=2")
     assert metrics[-1]["partial_rollouts"] > 0
     samples = [t for t in _versions_by_step(run_dir) if len(set(t.versions[t.versions >= 0].tolist())) > 1]

@@ -78,7 +78,9 @@ class TrainingLogic:
                 self.resume_from = latest
         self.pipeline = Pipeline(mode=cfg.reflow.mode, index=self.index, trainers=self.trainers,
                                  rollouts=self.rollouts, steps=cfg.trainer.steps, sync_every=cfg.reflow.sync_every,
-                                 worker_cap=cfg.rollout.max_concurrency, checkpoint_every=cfg.checkpoint.every_steps,
+                                 worker_cap=max(cfg.rollout.max_concurrency + cfg.scheduler.queue_samples,
+                                                cfg.algorithm.group_size),
+                                 checkpoint_every=cfg.checkpoint.every_steps,
                                  first_prompt=first_prompt, steps_done=steps_done)
         self.phase = "setup"
         self.ready: dict[int, Ready] = {}
@@ -315,7 +317,7 @@ class TrainingLogic:
         self.finished = True
         self.index.check_accounting()
         rewards = [r for r in self.history["fresh_rewards"] if not math.isnan(r)]
-        k = max(1, min(3, len(rewards) // 3))
+        k = max(1, min(50, len(rewards) // 10))      # first and last tenth of the run
         self.summary = {
             "steps": self.pipeline.steps_done, "version": self.index.version, "mode": self.cfg.reflow.mode,
             "wall_seconds": time.time() - self.started_at,
