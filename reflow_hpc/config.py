@@ -65,6 +65,8 @@ class RunConfig:
                                   "(it relaunches itself with `-n resources.workers`).")
     eval_prompts: int = opt(128, "Held-out prompts of the greedy evaluation of the start and final policy at the "
                                  "end of a run (0 = none).", ge=0)
+    abort_grace_s: float = opt(1.0, "Seconds a failing rank waits after printing its error before it aborts the job, "
+                                     "so that the launcher forwards the message.", ge=0)
     heartbeat_s: float = opt(2.0, "Interval of the alive messages between coordinator and workers; a rank silent "
                                   "for run.timeout_s ends the job with its name.", gt=0)
     plugins: list[str] = opt([], "Modules imported on every rank before the config is validated: they register "

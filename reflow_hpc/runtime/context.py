@@ -107,10 +107,11 @@ class Runtime:
                 self.control.send(0, Failure(self.rank, op_, text), TAG_COORDINATOR)
                 self.control.drain_sends(1.0)
         fatal(self.rank, op, error, comm=self.world, notify=notify,
-              show_traceback=not isinstance(error, (RankTimeout, ConfigError)))
+              show_traceback=not isinstance(error, (RankTimeout, ConfigError)), grace_s=self.cfg.run.abort_grace_s)
 
     def _coordinator_failed(self, op: str, error: BaseException) -> None:
-        fatal(0, op, error, comm=self.world, show_traceback=not isinstance(error, RankTimeout))
+        fatal(0, op, error, comm=self.world, show_traceback=not isinstance(error, RankTimeout),
+              grace_s=self.cfg.run.abort_grace_s)
 
     def wait_stop(self, op: str = "waiting for the coordinator's stop") -> None:
         while True:

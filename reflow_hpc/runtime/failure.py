@@ -29,7 +29,7 @@ _abort_lock = threading.Lock()
 
 
 def fatal(rank: int, op: str, error: BaseException | str, *, comm: Any = None, notify: Any = None,
-          exit_code: int = 1, show_traceback: bool = True) -> None:
+          exit_code: int = 1, show_traceback: bool = True, grace_s: float = 1.0) -> None:
     """Report and end the job. ``notify(op, text)`` may tell the coordinator first (best effort)."""
     with _abort_lock:
         text = str(error) if not isinstance(error, BaseException) else (str(error) or error.__class__.__name__)
@@ -42,6 +42,8 @@ def fatal(rank: int, op: str, error: BaseException | str, *, comm: Any = None, n
             except Exception:
                 pass
         sys.stdout.flush()
+        # The launcher forwards output through pipes; aborting at once can lose the line above.
+        time.sleep(grace_s)
         if comm is not None and comm.Get_size() > 1:
             comm.Abort(exit_code)
         os._exit(exit_code)
