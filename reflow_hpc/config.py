@@ -63,8 +63,10 @@ class RunConfig:
     poll_max_s: float = opt(0.01, "Longest back-off of a polling thread (bounds message latency when idle).", gt=0)
     mpiexec: str = opt("mpiexec", "Launcher used when `reflow_hpc.run` is started without MPI "
                                   "(it relaunches itself with `-n resources.workers`).")
-    eval_prompts: int = opt(128, "Held-out prompts of the greedy evaluation of the start and final policy at the "
+    eval_prompts: int = opt(128, "Held-out prompts on which the start and the final policy are evaluated at the "
                                  "end of a run (0 = none).", ge=0)
+    eval_samples: int = opt(4, "Samples per held-out prompt at the training temperature (the evaluation reports "
+                               "their mean reward, and greedy exact match).", ge=1)
     abort_grace_s: float = opt(1.0, "Seconds a failing rank waits after printing its error before it aborts the job, "
                                      "so that the launcher forwards the message.", ge=0)
     heartbeat_s: float = opt(2.0, "Interval of the alive messages between coordinator and workers; a rank silent "

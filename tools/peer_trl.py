@@ -42,10 +42,10 @@ Rules:
   (no padding) and ``throughput_tokens_per_s = trained_tokens / wall_seconds``, the definition
   of our ``throughput_tokens_per_s``; ``generated_tokens`` are the completion tokens (eos
   included); ``reward_first_steps`` / ``reward_last_steps`` are the mean training reward of the
-  first and last ``k = max(1, min(3, steps // 3))`` steps, as in our run summary;
-  ``eval/start_reward`` / ``eval/final_reward`` are the held-out greedy exact match of the start
-  and trained policy on ``run.eval_prompts`` eval prompts with ``rollout.max_new_tokens``, as in
-  ``reflow_hpc.run.evaluate``.
+  first and last tenth of the steps (at least one, at most 50), as in our run summary;
+  ``eval/start_reward`` / ``eval/final_reward`` are the held-out mean reward of ``run.eval_samples``
+  samples per prompt and ``eval/*_greedy`` the greedy exact match, of the start and the trained
+  policy on ``run.eval_prompts`` eval prompts, exactly as ``reflow_hpc.run.evaluate`` measures ours.
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ def run_trl(cfg: "Config", *, steps: int | None = None, max_seconds: float | Non
 
     from reflow_hpc.envs import make_task, prompt_token_ids
     from reflow_hpc.policy import load_policy, num_parameters
+    from reflow_hpc.run import sampled_reward
     from reflow_hpc.warmstart import ensure_policy, exact_match
 
     steps = cfg.trainer.steps if steps is None else steps
@@ -208,7 +209,8 @@ def run_trl(cfg: "Config", *, steps: int | None = None, max_seconds: float | Non
         log(f"trl {trl.__version__} GRPOTrainer: {num_parameters(model) / 1e6:.2f} M parameters, task {task.name}, "
             f"{steps} steps of {cfg.trainer.batch_size} samples ({per_step} prompts × {group}), "
             f"{threads} threads")
-        start_reward = exact_match(model, tokenizer, task, held_out, n_eval)
+        start_greedy = exact_match(model, tokenizer, task, held_out, n_eval)
+        start_reward = sampled_reward(cfg, model, tokenizer, task, len(held_out))
 
         with tempfile.TemporaryDirectory(prefix="peer_trl-") as out, warnings.catch_warnings():
             # Deprecation notices that transformers raises inside TRL: noise in a benchmark's output.
@@ -223,14 +225,16 @@ def run_trl(cfg: "Config", *, steps: int | None = None, max_seconds: float | Non
             wall = time.perf_counter() - t0[0]
             done = trainer.state.global_step
             trained_model = trainer.model
-        final_reward = exact_match(trained_model, tokenizer, task, held_out, n_eval)
+        final_greedy = exact_match(trained_model, tokenizer, task, held_out, n_eval)
+        final_reward = sampled_reward(cfg, trained_model, tokenizer, task, len(held_out))
 
-        k = max(1, min(3, len(step_rewards) // 3))
+        k = max(1, min(50, len(step_rewards) // 10))
         return {
             "system": SYSTEM, "trl_version": trl.__version__, "steps": done, "wall_seconds": wall,
             "throughput_tokens_per_s": counts["trained"] / wall if wall > 0 else math.nan,
             "reward_first_steps": _mean(step_rewards[:k]), "reward_last_steps": _mean(step_rewards[-k:]),
             "eval/prompts": len(held_out), "eval/start_reward": start_reward, "eval/final_reward": final_reward,
+            "eval/start_greedy": start_greedy, "eval/final_greedy": final_greedy,
             "trained_tokens": counts["trained"], "generated_tokens": counts["generated"],
             "samples": counts["samples"], "threads": threads, "mismatches": mismatches(cfg),
         }

@@ -52,8 +52,8 @@ class EpisodeRunner:
 
     # -- inbound -------------------------------------------------------------------------------
 
-    def add(self, sample_id: int, group_id: int, prompt_id: int) -> None:
-        prompt = self.task.prompt(prompt_id, "train")
+    def add(self, sample_id: int, group_id: int, prompt_id: int, split: str = "train") -> None:
+        prompt = self.task.prompt(prompt_id, split)
         tokens = np.asarray(prompt_token_ids(self.tokenizer, prompt.text, self.chat_template), dtype=np.int32)
         self._live[sample_id] = _Sample(sample_id, group_id, prompt_id, prompt, tokens, self.task.start(prompt))
         self.engine.add(Request(sample_id, tokens, self.sampling))
