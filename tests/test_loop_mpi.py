@@ -38,7 +38,7 @@ def run(tmp_path: Path, policy: str, *sets: str, name: str | None = None, timeou
     name = name or f"loop{uuid.uuid4().hex[:8]}"
     args = ["--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}", "--set", f"model.path={policy}",
             "--set", "model.warmstart=false", "--set", "run.eval_prompts=16", "--set", "run.timeout_s=90",
-            "--set", f"storage.dir={tmp_path / 'scratch'}"]
+            "--set", f"storage.dir={tmp_path / 'scratch'}", "--set", "trainer.micro_batch_size=8"]
     for s in sets:
         args += ["--set", s]
     r = python_m("reflow_hpc.run", CFG, *args, timeout=timeout)
@@ -150,7 +150,8 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_flushed_samples(t
             "trainer.steps=8", "reflow.delta=2"]
     args = [sys.executable, "-m", "reflow_hpc.run", CFG]
     for s_ in [f"run.output_dir={tmp_path}", f"run.name={name}", f"model.path={policy_dir}", "model.warmstart=false",
-               "run.eval_prompts=0", "run.timeout_s=90", f"storage.dir={tmp_path / 'scratch'}", *sets]:
+               "run.eval_prompts=0", "run.timeout_s=90", f"storage.dir={tmp_path / 'scratch'}",
+               "trainer.micro_batch_size=8", *sets]:
         args += ["--set", s_]
     run_dir = tmp_path / name
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
