@@ -49,7 +49,9 @@ def on_disk(path: Path, tmp_path: Path) -> h5py.File:
 
 @pytest.mark.parametrize("memory_mib", [0.0, 64.0], ids=["from-shard", "from-memory"])
 def test_round_trip_bit_for_bit(tmp_path, memory_mib):
-    cfg = StorageConfig(flush_rows=5, segment_mib=0.05, memory_mib=memory_mib, chunk_tokens=512, chunk_rows=8)
+    # flush_s far away: the pending rows this test looks for must not be flushed by a stalled clock.
+    cfg = StorageConfig(flush_rows=5, flush_s=3600.0, segment_mib=0.05, memory_mib=memory_mib, chunk_tokens=512,
+                        chunk_rows=8)
     trajs = samples(40)
     assert any(len(t.tokens) == 0 for t in trajs) and any(t.response_len == 0 < len(t.tokens) for t in trajs)
     assert max(len(t.tokens) for t in trajs) > 512          # a row spanning several chunks
@@ -67,8 +69,9 @@ def test_round_trip_bit_for_bit(tmp_path, memory_mib):
 
 
 def test_reads_of_the_open_segment_between_batches(tmp_path):
-    # Batches rewrite the partial last chunk of each per-token dataset; reads through the writer's
-    # own file handle in between must see every batch, and the file must not grow per rewrite.
+    # Batches fill the partial last chunk of each per-token dataset behind HDF5's back (pwritev);
+    # reads through the writer's own file handle in between must see every batch (no stale chunk
+    # cache), and the file must not grow per batch.
     cfg = StorageConfig(flush_rows=1, memory_mib=0.0, chunk_tokens=300)
     trajs = samples(60, max_len=50)
     with SampleStore(tmp_path, OWNER, cfg) as store:
@@ -79,6 +82,21 @@ def test_reads_of_the_open_segment_between_batches(tmp_path):
         tokens = f["tokens"]
         assert tokens.id.get_num_chunks() == -(-tokens.shape[0] // 300)   # one chunk per 300 tokens, no more
     with ShardReader(tmp_path) as reader:
+        assert_same(trajs, reader.get(reader.ids()))
+
+
+def test_batch_with_more_samples_in_one_chunk_than_one_pwritev_takes(tmp_path):
+    # One pwritev takes at most IOV_MAX (1024 on Linux) arrays; 3,000 two-token samples share one chunk.
+    cfg = StorageConfig(flush_rows=3000, memory_mib=0.0, chunk_tokens=1 << 14)
+    trajs = [Trajectory(sample_id=i, group_id=i, prompt_id=i, tokens=np.array([i, -i], np.int32),
+                        logprobs=np.array([0.0, -0.5 - i], np.float32), versions=np.array([-1, i % 5], np.int32),
+                        prompt_len=1, reward=float(i), finish_reason="stop") for i in range(3000)]
+    with SampleStore(tmp_path, OWNER, cfg) as store:
+        store.put(trajs)
+        assert store.stats()["pending_samples"] == 0
+        assert_same(trajs[::-1], store.get([t.sample_id for t in trajs[::-1]]))
+    with ShardReader(tmp_path) as reader:
+        assert not reader.report.lost
         assert_same(trajs, reader.get(reader.ids()))
 
 
@@ -283,6 +301,15 @@ def test_unreadable_missing_and_foreign_files(tmp_path):
         assert store.location(sample_id(OWNER, 100))[0] == segment_name(OWNER, 8)
     with pytest.raises(StorageError, match=f"rank {OWNER + 1}: .* holds segments of another rank .seg-r{OWNER:05d}-"):
         SampleStore(tmp_path, OWNER + 1, StorageConfig(), resume=True)
+
+
+def test_segment_of_another_format_version_is_reported_not_misread(tmp_path):
+    trajs = _closed_store(tmp_path, 20)
+    with h5py.File(tmp_path / segment_name(OWNER, 0), "r+") as f:
+        f.attrs["format_version"] = 1                          # crc32 checksums: not this reader's format
+    report = scan_directory(tmp_path)
+    assert report.lost_ids() == sorted(t.sample_id for t in trajs) and not report.locations()
+    assert "format_version 1; this reader reads version 2" in report.unreadable[segment_name(OWNER, 0)]
 
 
 # ------------------------------------------------------------------------------- crash recovery

@@ -4,7 +4,7 @@
     python tools/bench_storage.py --fsync --json     # fsync per batch on both sides; JSON last line
 
 The *shard* side is what a worker does: ``SampleStore.put`` one sample at a time (memory cache off),
-the writer batching ``--flush-rows`` samples per write + flush, crc32 per batch, rotating segments
+the writer batching ``--flush-rows`` samples per write + flush, an XXH3-64 hash per batch, rotating segments
 at ``--segment-mib`` (the config default unless given), then ``close`` (manifest). The *raw* side
 writes the same payload bytes (tokens, logprobs, versions of every sample) with plain buffered
 ``write`` calls to one file and flushes after every ``--flush-rows`` samples — the same flush

@@ -2,7 +2,7 @@
 
 Rules:
 - A row is *recovered* only when the batch that wrote it is present, its extents agree with the
-  datasets (contiguous batches, offsets inside the token data) and both of its crc32 checksums
+  datasets (contiguous batches, offsets inside the token data) and both of its XXH3-64 checksums
   match. Every other row that the file or the manifest knows of is reported in a :class:`LostRows`
   with the reason; nothing is dropped silently and nothing raises.
 - A file that HDF5 refuses to open is *unreadable*; its rows (and sample ids, from the manifest when
@@ -26,7 +26,7 @@ import numpy as np
 
 from reflow_hpc.storage import schema
 from reflow_hpc.storage.manifest import Manifest, SegmentEntry, read_manifest
-from reflow_hpc.storage.schema import (Location, StorageError, crc_rows, crc_tokens, parse_segment_name,
+from reflow_hpc.storage.schema import (Location, StorageError, hash_rows, hash_tokens, parse_segment_name,
                                        trajectory_from_row)
 from reflow_hpc.trajectory import Trajectory
 
@@ -202,6 +202,9 @@ def _lost_all(name: str, entry: SegmentEntry | None, reason: str) -> LostRows:
 def _verify(f: h5py.File, scan: SegmentScan, entry: SegmentEntry | None, verify: bool) -> None:
     if f.attrs.get("format") not in (schema.FORMAT, schema.FORMAT.encode()):
         raise StorageError(f"not a {schema.FORMAT} file (format attribute {f.attrs.get('format')!r})")
+    version = int(f.attrs.get("format_version", -1))
+    if version != schema.FORMAT_VERSION:
+        raise StorageError(f"format_version {version}; this reader reads version {schema.FORMAT_VERSION}")
     if scan.owner < 0:
         scan.owner = int(f.attrs.get("owner", -1))
         scan.index = int(f.attrs.get("segment", -1))
@@ -236,10 +239,10 @@ def _verify(f: h5py.File, scan: SegmentScan, entry: SegmentEntry | None, verify:
                 bad = "offsets outside the batch's token data"
             rows = rows_ds[r0:r1]
             meta = meta_ds[r0:r1].tolist()
-            if bad is None and crc_rows(offs[1:], rows, meta) != int(b["crc_rows"]):
+            if bad is None and hash_rows(offs[1:], rows, meta) != int(b["xxh3_rows"]):
                 bad = "row checksum mismatch"
-            if bad is None and verify and crc_tokens(tokens[t0:t1], logprobs[t0:t1],
-                                                     versions[t0:t1]) != int(b["crc_tokens"]):
+            if bad is None and verify and hash_tokens(tokens[t0:t1], logprobs[t0:t1],
+                                                      versions[t0:t1]) != int(b["xxh3_tokens"]):
                 ids, trusted = ids_of(r0, r1, rows)
                 scan.lost.append(LostRows(scan.file, (r0, r1), ids, "token checksum mismatch", trusted))
                 row_end, tok_end = r1, t1

@@ -15,10 +15,11 @@ A worker writes its samples into one HDF5 *segment* file at a time, in CSR layou
 Rules:
 - Rows are written only in whole *batches* (one per flush). A batch is valid when its two checksums
   match; a reader trusts only rows covered by valid batches, and reports every other row as lost.
-- ``crc_tokens`` is zlib.crc32 chained over the little-endian bytes of ``tokens[t0:t1]``,
-  ``logprobs[t0:t1]`` and ``versions[t0:t1]``; ``crc_rows`` is chained over ``offsets[r0+1:r1+1]``
-  (int64), the ``rows[r0:r1]`` records (packed ROW_DTYPE) and each ``meta`` string as UTF-8 followed
-  by one newline byte.
+- ``xxh3_tokens`` is the 64-bit XXH3 hash (seed 0) of the little-endian bytes of ``tokens[t0:t1]``,
+  ``logprobs[t0:t1]`` and ``versions[t0:t1]`` fed in that order; ``xxh3_rows`` hashes
+  ``offsets[r0+1:r1+1]`` (int64), the ``rows[r0:r1]`` records (packed ROW_DTYPE) and each ``meta``
+  string as UTF-8 followed by one newline byte. XXH3 rather than crc32: it runs at memory speed
+  (~25 GB/s against ~3 GB/s here), and crc32 alone cost a third of the spill time.
 - A segment being written is named ``<name>.open``; closing it renames it atomically to ``<name>``
   and then records it in ``manifest.json`` (written to a temporary name and renamed).
 """
@@ -27,15 +28,15 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 from typing import NamedTuple
 
 import numpy as np
+import xxhash
 
 from reflow_hpc.trajectory import Trajectory
 
 FORMAT = "reflow_hpc.shard"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 1: crc32 checksums (not readable by this version)
 MANIFEST = "manifest.json"
 OPEN_SUFFIX = ".open"
 FINISH_REASON_BYTES = 16
@@ -58,8 +59,8 @@ BATCH_DTYPE = np.dtype([
     ("row_end", "<i8"),
     ("token_start", "<i8"),
     ("token_end", "<i8"),
-    ("crc_tokens", "<u4"),
-    ("crc_rows", "<u4"),
+    ("xxh3_tokens", "<u8"),
+    ("xxh3_rows", "<u8"),
     ("unix_time", "<f8"),
 ])
 
@@ -71,7 +72,7 @@ DATASET_DOCS = {
     "offsets": "int64 CSR row starts: row i spans tokens[offsets[i]:offsets[i+1]]; offsets[0] = 0",
     "rows": "per-sample metadata, one record per row",
     "meta": "per-sample free-form metadata as a JSON object (UTF-8)",
-    "batches": "one record per flushed batch: row and token extents, crc32 checksums, unix time",
+    "batches": "one record per flushed batch: row and token extents, XXH3-64 hashes, unix time",
 }
 
 _SEGMENT_RE = re.compile(r"^seg-r(\d{5})-(\d{6})\.h5(\.open)?$")
@@ -158,19 +159,21 @@ def meta_json(traj: Trajectory) -> str:
         raise StorageError(f"sample {traj.sample_id}: meta is not JSON-serialisable: {e}") from None
 
 
-def crc_tokens(tokens: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> int:
-    crc = zlib.crc32(np.ascontiguousarray(tokens, "<i4"))
-    crc = zlib.crc32(np.ascontiguousarray(logprobs, "<f4"), crc)
-    return zlib.crc32(np.ascontiguousarray(versions, "<i4"), crc)
+def hash_tokens(tokens: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> int:
+    h = xxhash.xxh3_64()
+    h.update(np.ascontiguousarray(tokens, "<i4"))
+    h.update(np.ascontiguousarray(logprobs, "<f4"))
+    h.update(np.ascontiguousarray(versions, "<i4"))
+    return h.intdigest()
 
 
-def crc_rows(offsets_end: np.ndarray, rows: np.ndarray, meta: list) -> int:
-    """Checksum of a batch's row part; `meta` holds str or bytes (as h5py reads them)."""
-    crc = zlib.crc32(np.ascontiguousarray(offsets_end, "<i8"))
-    crc = zlib.crc32(np.ascontiguousarray(rows, ROW_DTYPE), crc)
-    for m in meta:
-        crc = zlib.crc32((m.encode("utf-8") if isinstance(m, str) else bytes(m)) + b"\n", crc)
-    return crc
+def hash_rows(offsets_end: np.ndarray, rows: np.ndarray, meta: list) -> int:
+    """Hash of a batch's row part; `meta` holds str or bytes (as h5py reads them)."""
+    h = xxhash.xxh3_64()
+    h.update(np.ascontiguousarray(offsets_end, "<i8"))
+    h.update(np.ascontiguousarray(rows, ROW_DTYPE))
+    h.update(b"".join((m.encode("utf-8") if isinstance(m, str) else bytes(m)) + b"\n" for m in meta))
+    return h.intdigest()
 
 
 def trajectory_from_row(row: np.void, meta: str | bytes, tokens: np.ndarray, logprobs: np.ndarray,

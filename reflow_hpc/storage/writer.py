@@ -2,10 +2,11 @@
 
 Rules it implements (layout in :mod:`reflow_hpc.storage.schema`, user docs in docs/storage.md):
 - ``append`` only buffers samples in memory; nothing touches HDF5 per sample (one h5py call costs
-  ~160 µs). The pending samples are written as one *batch* — whole chunks of the per-token
-  datasets written directly, one low-level write per per-row dataset, a crc32 per batch — and the
-  file is flushed when ``storage.flush_rows`` samples are pending or the oldest
-  pending one waited ``storage.flush_s`` seconds (checked on every append and by ``maybe_flush``).
+  ~160 µs). The pending samples are written as one *batch* — the per-token arrays go into their
+  chunks' file space with one pwritev per chunk, each per-row dataset gets one low-level write, and
+  an XXH3-64 hash covers the batch — and the file is flushed when ``storage.flush_rows`` samples
+  are pending or the oldest pending one waited ``storage.flush_s`` seconds (checked on every append
+  and by ``maybe_flush``).
   A process that dies loses only its pending samples; the file opens with every flushed batch.
 - After a flush, a segment holding ``storage.segment_mib`` MiB or more of sample data is closed:
   its file is renamed from ``<name>.open`` to ``<name>`` (``os.replace``) and recorded in the
@@ -20,24 +21,24 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from pathlib import Path
 from typing import Callable, Iterable
 
 import h5py
 import numpy as np
+import xxhash
 
 from reflow_hpc.config import StorageConfig
 from reflow_hpc.storage import schema
 from reflow_hpc.storage.manifest import Manifest, SegmentEntry, fsync_dir, write_manifest
-from reflow_hpc.storage.schema import (BATCH_DTYPE, ROW_DTYPE, Location, StorageError, crc_rows,
+from reflow_hpc.storage.schema import (BATCH_DTYPE, ROW_DTYPE, Location, StorageError, hash_rows,
                                        finish_reason_bytes, meta_json, row_table, segment_name)
 from reflow_hpc.trajectory import Trajectory
 
 MIB = 1 << 20
 PAYLOAD_BYTES_PER_TOKEN = 12   # int32 token + float32 logprob + int32 version
 NEW_SUFFIX = ".new"     # a segment file under construction (not yet a valid `.open` segment)
-TOKEN_COLUMNS = ("tokens", "logprobs", "versions")   # in crc_tokens order
+TOKEN_COLUMNS = ("tokens", "logprobs", "versions")   # in hash_tokens order
 
 
 class ShardWriter:
@@ -166,22 +167,22 @@ class ShardWriter:
         r0, t0 = self._flushed_rows, self.locations[self._pending[0].sample_id].token_start
         lengths = np.fromiter((len(t.tokens) for t in self._pending), dtype=np.int64, count=n)
         total = int(lengths.sum())
-        # Checksum each column right after copying it, while it is still in the CPU cache.
-        crc, staged = 0, {}
-        for name in TOKEN_COLUMNS:
-            staged[name] = self._columns[name].stage([getattr(t, name) for t in self._pending], total)
-            crc = zlib.crc32(staged[name], crc)
-        offsets_end = t0 + np.cumsum(lengths)
-        rows = row_table(self._pending, self._pending_reasons, staged["versions"], offsets_end - lengths - t0,
-                         lengths, self.owner)
-        t1 = t0 + total
         # Data first, the batch record last: a batch record only describes data written before it.
-        for column in self._columns.values():
-            column.commit()
+        offsets_end = t0 + np.cumsum(lengths)
+        h = xxhash.xxh3_64()
+        self._columns["tokens"].append([t.tokens for t in self._pending], total, h)
+        self._columns["logprobs"].append([t.logprobs for t in self._pending], total, h)
+        # Versions are also needed in one array, for the rows' version ranges; it is written as it is.
+        versions = np.concatenate([t.versions for t in self._pending])
+        self._columns["versions"].append([versions], total, h)
+        rows = row_table(self._pending, self._pending_reasons, versions, offsets_end - lengths - t0, lengths,
+                         self.owner)
+        t1 = t0 + total
         self._rows_columns["offsets"].append(offsets_end)
         self._rows_columns["rows"].append(rows)
         self._rows_columns["meta"].append(np.array(self._pending_meta, dtype=object))
-        batch = np.array([(r0, r0 + n, t0, t1, crc, crc_rows(offsets_end, rows, self._pending_meta), time.time())],
+        batch = np.array([(r0, r0 + n, t0, t1, h.intdigest(), hash_rows(offsets_end, rows, self._pending_meta),
+                           time.time())],
                          dtype=BATCH_DTYPE)
         self._rows_columns["batches"].append(batch)
         f.flush()
@@ -255,7 +256,7 @@ class ShardWriter:
         if path.exists():
             raise StorageError(f"rank {self.owner}: shard segment {path} already exists")
         try:
-            f = h5py.File(new, "w")
+            f = h5py.File(new, "w", rdcc_nbytes=0)    # no chunk cache: see _TokenColumn
         except OSError as e:
             raise StorageError(f"rank {self.owner}: cannot create shard segment {new}: {e}") from None
         # Dirty metadata stays in memory until the next flush instead of being evicted to disk at
@@ -274,14 +275,19 @@ class ShardWriter:
         for name, dtype, chunk in (("tokens", "<i4", ct), ("logprobs", "<f4", ct), ("versions", "<i4", ct),
                                    ("offsets", "<i8", cr), ("rows", ROW_DTYPE, cr),
                                    ("meta", h5py.string_dtype("utf-8"), cr), ("batches", BATCH_DTYPE, cr)):
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            if name in TOKEN_COLUMNS:     # chunks get their file space when the extent grows, unfilled
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
             d = f.create_dataset(name, shape=(1 if name == "offsets" else 0,), maxshape=(None,),
-                                 chunks=(chunk,), dtype=dtype)
+                                 chunks=(chunk,), dtype=dtype, dcpl=dcpl)
             d.attrs["doc"] = schema.DATASET_DOCS[name]
         f["offsets"][0] = 0
         f.flush()
         os.replace(new, path)
         self.file = f
-        self._columns = {name: _TokenColumn(f[name], ct) for name in TOKEN_COLUMNS}
+        fd = f.id.get_vfd_handle()
+        self._columns = {name: _TokenColumn(f[name], ct, fd) for name in TOKEN_COLUMNS}
         self._rows_columns = {name: _RowColumn(f[name]) for name in ("offsets", "rows", "meta", "batches")}
         if self.cfg.fsync:
             self._fsync_fd = os.open(path, os.O_RDONLY)
@@ -306,44 +312,54 @@ class _RowColumn:
 
 
 class _TokenColumn:
-    """Appends to a per-token dataset by writing whole chunks straight to the file (H5Dwrite_chunk).
+    """Appends to a per-token dataset by writing the samples' own arrays into the file (pwritev).
 
-    This bypasses HDF5's chunk cache and selection code: each batch costs one copy (the
-    concatenation into the chunk buffer) and one write per chunk. The last, partial chunk stays at the
-    front of the buffer and is rewritten, with more data, by the next batch (in place: unfiltered
-    chunks keep their size and address), so no chunk is ever read back. Bytes past the dataset's
-    extent are zeros and invisible to readers.
+    The dataset allocates its chunks when it is extended (early allocation, never filled), so the
+    file address of every element is known once the extent grows. A batch is then written with
+    one ``pwritev`` per chunk it touches, straight from the arrays: no staging copy, and no chunk is
+    rewritten (the raw write of the same bytes is what is left). HDF5 sees no raw-data write, which
+    is why the writer's file has no chunk cache: a read of the open segment goes to the file.
     """
 
-    def __init__(self, ds: h5py.Dataset, chunk: int):
-        self.ds, self.chunk = ds, chunk
-        self.buf = np.zeros(chunk, ds.dtype)
-        self.tail = 0          # elements of the partial last chunk, at buf[:tail]
-        self.full = 0          # chunks written completely (never touched again)
-        self.staged = 0
+    def __init__(self, ds: h5py.Dataset, chunk: int, fd: int):
+        self.ds, self.chunk, self.fd = ds, chunk, fd
+        self.dtype = ds.dtype
+        self.size = ds.shape[0]
 
-    def stage(self, arrays: list[np.ndarray], total: int) -> np.ndarray:
-        """Copy a batch behind the tail; returns it (valid until `commit`)."""
-        need = -(-(self.tail + total) // self.chunk) * self.chunk
-        if len(self.buf) < need:
-            grown = np.zeros(max(need, 2 * len(self.buf)), self.buf.dtype)
-            grown[:self.tail] = self.buf[:self.tail]
-            self.buf = grown
-        end = self.tail + total
-        if arrays:
-            np.concatenate(arrays, out=self.buf[self.tail:end])
-        self.buf[end:need] = 0
-        self.staged = total
-        return self.buf[self.tail:end]
+    def append(self, arrays: list[np.ndarray], total: int, hasher: "xxhash.xxh3_64") -> None:
+        """Write `arrays` (``total`` elements together) behind the column's end and hash them in order."""
+        if total == 0:
+            return
+        c, start = self.chunk, self.size
+        self.ds.id.set_extent((start + total,))
+        k, first = divmod(start, c)        # chunk of the first new element, and its offset in that chunk
+        room, iov = c - first, []
+        for a in arrays:
+            a = np.ascontiguousarray(a, self.dtype)
+            hasher.update(a)
+            i, n = 0, len(a)
+            while n - i >= room:           # `a` fills the current chunk
+                iov.append(a[i:i + room])
+                i += room
+                self._write(k, first, iov)
+                k, first, room, iov = k + 1, 0, c, []
+            if i < n:
+                iov.append(a[i:] if i else a)
+                room -= n - i
+        if iov:
+            self._write(k, first, iov)
+        self.size = start + total
 
-    def commit(self) -> None:
-        """Write the staged batch: every chunk it touches, the partial last one included."""
-        c, end = self.chunk, self.tail + self.staged
-        self.ds.resize((self.full * c + end,))
-        for k in range(-(-end // c)):
-            self.ds.id.write_direct_chunk(((self.full + k) * c,), self.buf[k * c:(k + 1) * c])
-        done = end // c
-        if done:
-            self.buf[:end - done * c] = self.buf[done * c:end]
-            self.full += done
-        self.tail, self.staged = end - done * c, 0
+    def _write(self, k: int, first: int, iov: list[np.ndarray]) -> None:
+        address = self.ds.id.get_chunk_info_by_coord((k * self.chunk,)).byte_offset
+        offset = address + first * self.dtype.itemsize
+        for i in range(0, len(iov), _IOV_MAX):
+            part = iov[i:i + _IOV_MAX]
+            want = sum(x.nbytes for x in part)
+            done = os.pwritev(self.fd, part, offset)
+            if done != want:
+                raise OSError(f"short write to {self.ds.name}: {done} of {want} bytes at offset {offset}")
+            offset += want
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
