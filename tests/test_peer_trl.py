@@ -98,9 +98,10 @@ def test_two_steps_end_to_end(tmp_path, capsys, monkeypatch):
     prompt_tokens = sum(4 * len(prompt_token_ids(tok, task.prompt(i, "train").text)) for i in range(4))
     assert out["trained_tokens"] == prompt_tokens + out["generated_tokens"]
     assert math.isclose(out["throughput_tokens_per_s"], out["trained_tokens"] / out["wall_seconds"])
-    for k in ("reward_first_steps", "reward_last_steps", "eval/start_reward", "eval/final_reward"):
+    for k in ("reward_first_steps", "reward_last_steps", "eval/task/start_reward", "eval/task/final_reward",
+              "eval/held_out/start_greedy", "eval/held_out/final_greedy"):
         assert 0.0 <= out[k] <= 1.0
-    assert "held-out greedy" in stdout and "trl step 2/2" in stdout
+    assert "task reward" in stdout and "held-out reward" in stdout and "trl step 2/2" in stdout
 
 
 def test_missing_policy_is_a_config_error(tmp_path):

@@ -3,11 +3,13 @@
     python tools/bench_modes.py [CONFIG] [--steps N] [--warmup-steps K] [--modes sync,reflow,...]
                                 [--peer trl] [--set section.key=value ...] [--json]
 
-Each mode is one real run (``python -m reflow_hpc.run``: MPI ranks, engine, trainer, shards) of
-``--steps`` optimizer steps of ``trainer.batch_size`` samples; all start from the same warm-started
-policy with the same seed. Per mode it reports the paper's throughput (tokens processed by the
-trainer ÷ step time, averaged over the steps after ``--warmup-steps``), trainer and rollout idle
-ratios, final training reward and held-out greedy reward, and wall time; then the ratios
+CONFIG defaults to ``configs/cpu_bench.toml`` (the calibrated workload) and ``--steps`` to its
+``trainer.steps``. Each mode is one real run (``python -m reflow_hpc.run``: MPI ranks, engine,
+trainer, shards) of ``--steps`` optimizer steps of ``trainer.batch_size`` samples; all start from
+the same warm-started policy with the same seed. Per mode it reports the paper's throughput
+(tokens processed by the trainer ÷ step time, averaged over the steps after ``--warmup-steps``),
+trainer and rollout idle ratios, final training reward, the end-of-run evaluation
+(``reflow_hpc.evaluation``: task prompts and held-out texts), and wall time; then the ratios
 reflow ÷ sync and reflow ÷ fully_async. ``--peer trl`` adds TRL's GRPOTrainer on the same model,
 task and reward (``tools/peer_trl.py``; needs the ``bench`` extra). With ``--json`` the last line
 is one JSON object.
@@ -67,10 +69,7 @@ def run_mode(config: str, mode: str, steps: int, warmup: int, sets: list[str], o
         "sync_seconds": _mean(m["sync_seconds"] for m in measured),
         "reward_first_steps": summary.get("reward_first_steps"),
         "reward_last_steps": summary.get("reward_last_steps"),
-        "eval/start_reward": summary.get("eval/start_reward"),
-        "eval/final_reward": summary.get("eval/final_reward"),
-        "eval/start_greedy": summary.get("eval/start_greedy"),
-        "eval/final_greedy": summary.get("eval/final_greedy"),
+        **{k: v for k, v in summary.items() if k.startswith("eval/")},
         "trained_tokens": sum(m["tokens"] for m in metrics),
         "train_seconds": sum(m["step_seconds"] for m in metrics),
         "wall_seconds": wall,
@@ -92,8 +91,9 @@ def table(rows: list[dict]) -> str:
     cols = [("system", "system", "{}"), ("mode", "mode", "{}"), ("tok/s", "throughput_tokens_per_s", "{:.0f}"),
             ("idle T", "idle_ratio/trainer", "{:.1%}"), ("idle R", "idle_ratio/rollout", "{:.1%}"),
             ("replay", "replay_fraction", "{:.2f}"), ("reward first", "reward_first_steps", "{:.3f}"),
-            ("reward last", "reward_last_steps", "{:.3f}"), ("eval start", "eval/start_reward", "{:.3f}"),
-            ("eval final", "eval/final_reward", "{:.3f}"), ("train s", "train_seconds", "{:.1f}"),
+            ("reward last", "reward_last_steps", "{:.3f}"), ("eval start", "eval/task/start_reward", "{:.3f}"),
+            ("eval final", "eval/task/final_reward", "{:.3f}"), ("held-out", "eval/held_out/final_reward", "{:.3f}"),
+            ("train s", "train_seconds", "{:.1f}"),
             ("wall s", "wall_seconds", "{:.1f}")]
     def cell(row, key, fmt):
         v = row.get(key)
@@ -109,9 +109,9 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("config", nargs="?", default=str(ROOT / "configs" / "cpu_tiny.toml"))
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("config", nargs="?", default=str(ROOT / "configs" / "cpu_bench.toml"))
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default: trainer.steps)")
+    ap.add_argument("--warmup-steps", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--peer", choices=("trl",), default=None)
     ap.add_argument("--set", dest="sets", action="append", default=[])
@@ -120,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     cfg = load(args.config, args.sets)
-    if cfg.model.warmstart and not (Path(cfg.model.path) / "config.json").is_file():
+    if args.steps is None:
+        args.steps = cfg.trainer.steps
+    if cfg.model.warmstart:
         from reflow_hpc.warmstart import ensure_policy
-        ensure_policy(cfg)
+        ensure_policy(cfg)          # a no-op when model.path holds the policy this config warm-starts
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_modes-"))
     rows = []
     for mode in args.modes.split(","):
@@ -142,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
             if base in by:
                 ratios[f"reflow/{base}"] = by["reflow"]["throughput_tokens_per_s"] / by[base]["throughput_tokens_per_s"]
         if "sync" in by:
-            # Training reward (fresh samples of the last tenth) is confounded by which prompts each
-            # mode reached; the held-out greedy reward uses the same prompts for every mode.
+            # Training reward (unused samples of the last tenth) is confounded by which prompts each
+            # mode reached; the evaluation scores every mode on the same task prompts.
             ratios["final_reward_gap_vs_sync"] = (by["reflow"]["reward_last_steps"] or math.nan) - \
                                                  (by["sync"]["reward_last_steps"] or math.nan)
-            ratios["final_eval_gap_vs_sync"] = (by["reflow"]["eval/final_reward"] or math.nan) - \
-                                               (by["sync"]["eval/final_reward"] or math.nan)
+            ratios["final_eval_gap_vs_sync"] = (by["reflow"].get("eval/task/final_reward") or math.nan) - \
+                                               (by["sync"].get("eval/task/final_reward") or math.nan)
     print(table(rows))
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}" if "gap" not in k else f"{k}: {v:+.3f}")

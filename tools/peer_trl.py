@@ -43,9 +43,9 @@ Rules:
   of our ``throughput_tokens_per_s``; ``generated_tokens`` are the completion tokens (eos
   included); ``reward_first_steps`` / ``reward_last_steps`` are the mean training reward of the
   first and last tenth of the steps (at least one, at most 50), as in our run summary;
-  ``eval/start_reward`` / ``eval/final_reward`` are the held-out mean reward of ``run.eval_samples``
-  samples per prompt and ``eval/*_greedy`` the greedy exact match, of the start and the trained
-  policy on ``run.eval_prompts`` eval prompts, exactly as ``reflow_hpc.run.evaluate`` measures ours.
+  ``eval/<set>/start_*`` and ``eval/<set>/final_*`` are the mean reward of ``run.eval_samples``
+  samples per prompt (``_reward``) and the greedy exact match (``_greedy``) of the start and the
+  trained policy on the prompt sets of ``reflow_hpc.evaluation``, exactly as our runs are measured.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 SYSTEM = "trl"
 RESULT_KEYS = ("system", "steps", "wall_seconds", "throughput_tokens_per_s", "reward_first_steps",
-               "reward_last_steps", "eval/start_reward", "eval/final_reward", "trained_tokens")
+               "reward_last_steps", "eval/task/start_reward", "eval/task/final_reward", "trained_tokens")
 
 
 def _check(cfg: "Config") -> None:
@@ -154,8 +154,8 @@ def run_trl(cfg: "Config", *, steps: int | None = None, max_seconds: float | Non
 
     from reflow_hpc.envs import make_task, prompt_token_ids
     from reflow_hpc.policy import load_policy, num_parameters
-    from reflow_hpc.run import sampled_reward
-    from reflow_hpc.warmstart import ensure_policy, exact_match
+    from reflow_hpc.evaluation import evaluate
+    from reflow_hpc.warmstart import ensure_policy
 
     steps = cfg.trainer.steps if steps is None else steps
     if steps < 1:
@@ -175,8 +175,6 @@ def run_trl(cfg: "Config", *, steps: int | None = None, max_seconds: float | Non
         prompts = [task.prompt(i, "train") for i in range(steps * per_step)]
         by_id = {p.prompt_id: p for p in prompts}
         prompt_len = {p.prompt_id: len(prompt_token_ids(tokenizer, p.text, cfg.task.chat_template)) for p in prompts}
-        held_out = [task.prompt(i, "eval") for i in range(cfg.run.eval_prompts)]
-        n_eval = cfg.rollout.max_new_tokens
 
         step_rewards: list[float] = []
         counts = {"generated": 0, "trained": 0, "samples": 0}
@@ -209,8 +207,7 @@ def run_trl(cfg: "Config", *, steps: int | None = None, max_seconds: float | Non
         log(f"trl {trl.__version__} GRPOTrainer: {num_parameters(model) / 1e6:.2f} M parameters, task {task.name}, "
             f"{steps} steps of {cfg.trainer.batch_size} samples ({per_step} prompts × {group}), "
             f"{threads} threads")
-        start_greedy = exact_match(model, tokenizer, task, held_out, n_eval)
-        start_reward = sampled_reward(cfg, model, tokenizer, task, len(held_out))
+        scores = evaluate(cfg, task, tokenizer, {"start": model})   # before training changes the model
 
         with tempfile.TemporaryDirectory(prefix="peer_trl-") as out, warnings.catch_warnings():
             # Deprecation notices that transformers raises inside TRL: noise in a benchmark's output.
@@ -225,16 +222,14 @@ def run_trl(cfg: "Config", *, steps: int | None = None, max_seconds: float | Non
             wall = time.perf_counter() - t0[0]
             done = trainer.state.global_step
             trained_model = trainer.model
-        final_greedy = exact_match(trained_model, tokenizer, task, held_out, n_eval)
-        final_reward = sampled_reward(cfg, trained_model, tokenizer, task, len(held_out))
+        scores.update(evaluate(cfg, task, tokenizer, {"final": trained_model}))
 
         k = max(1, min(50, len(step_rewards) // 10))
         return {
             "system": SYSTEM, "trl_version": trl.__version__, "steps": done, "wall_seconds": wall,
             "throughput_tokens_per_s": counts["trained"] / wall if wall > 0 else math.nan,
             "reward_first_steps": _mean(step_rewards[:k]), "reward_last_steps": _mean(step_rewards[-k:]),
-            "eval/prompts": len(held_out), "eval/start_reward": start_reward, "eval/final_reward": final_reward,
-            "eval/start_greedy": start_greedy, "eval/final_greedy": final_greedy,
+            **scores,
             "trained_tokens": counts["trained"], "generated_tokens": counts["generated"],
             "samples": counts["samples"], "threads": threads, "mismatches": mismatches(cfg),
         }
@@ -250,8 +245,11 @@ def table(result: dict) -> str:
             ("throughput tok/s", f"{result['throughput_tokens_per_s']:.0f}"),
             ("training reward", f"{result['reward_first_steps']:.3f} first steps -> "
                                 f"{result['reward_last_steps']:.3f} last steps"),
-            ("held-out greedy", f"{result['eval/start_reward']:.3f} start -> {result['eval/final_reward']:.3f} "
-                                f"trained ({result['eval/prompts']} prompts)")]
+            ("task reward", f"{result['eval/task/start_reward']:.3f} start -> "
+                            f"{result['eval/task/final_reward']:.3f} trained ({result['eval/task/prompts']} prompts)"),
+            ("held-out reward", f"{result['eval/held_out/start_reward']:.3f} start -> "
+                                f"{result['eval/held_out/final_reward']:.3f} trained "
+                                f"({result['eval/held_out/prompts']} distinct texts)")]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += [f"differs from ours: {m}" for m in result.get("mismatches", [])]
