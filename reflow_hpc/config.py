@@ -547,6 +547,18 @@ def to_dict(cfg: Config) -> dict:
     return {name: dataclasses.asdict(getattr(cfg, name)) for name, _ in sections()}
 
 
+def config_changes(saved: dict, now: dict) -> list[tuple[str, Any, Any]]:
+    """(``section.key``, saved value, current value) for every key that differs between two
+    section dicts shaped like :func:`to_dict`'s (either may hold only some sections), sorted."""
+    out = []
+    for section in sorted(set(saved) | set(now)):
+        a, b = saved.get(section, {}), now.get(section, {})
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                out.append((f"{section}.{key}", a.get(key), b.get(key)))
+    return out
+
+
 def reference() -> str:
     """The config reference page (docs/config.md), generated from the dataclasses."""
     lines = ["# Configuration reference", "",

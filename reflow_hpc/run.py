@@ -66,6 +66,24 @@ def relaunch(cfg: Config, argv: list[str]) -> int:
         return proc.wait()
 
 
+def check_resume(cfg: Config) -> None:
+    """A run that resumes must keep the keys its checkpoint is laid out by (one-line config error)."""
+    if not cfg.checkpoint.resume:
+        return
+    from .config import ConfigError, to_dict
+    from .runtime.worker import checkpoint_root
+    from .train.checkpoint import latest_checkpoint, resume_changes
+
+    latest = latest_checkpoint(checkpoint_root(cfg))
+    if latest is None:
+        return
+    fixed, _ = resume_changes(latest, to_dict(cfg))
+    if fixed:
+        key, saved, now = fixed[0]
+        raise ConfigError(key, now, f"the checkpoint this run resumes ({latest}) was written with {saved!r}; "
+                                    f"keep it, or start a new run (another run.name, or checkpoint.resume = false)")
+
+
 def run_rank(cfg: Config, args: argparse.Namespace) -> int:
     """The life of one rank."""
     from .runtime.context import Runtime

@@ -20,12 +20,15 @@ Rules:
 
 ``ensure_policy(cfg)`` is what the launcher calls on rank 0 before any rank loads the model: a no-op
 when ``model.path`` holds a ``config.json``, a warm start when ``model.warmstart`` is true, a config
-error otherwise.
+error otherwise. A warm start also writes its recipe (``RECIPE``: the settings the weights depend
+on) next to the model; when ``model.warmstart`` is true and the current config asks for another
+recipe, ``ensure_policy`` refuses the stale model instead of silently training from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import random
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError, load, main_guard
+from .config import ConfigError, config_changes, load, main_guard
 from .envs import Prompt, Task, make_task, prompt_token_ids
 
 if TYPE_CHECKING:
@@ -207,16 +210,39 @@ def warmstart(cfg: "Config", out: str | Path | None = None, log=print) -> Warmst
         log(f"warm start: held-out greedy exact match {before:.3f} before, {after:.3f} after "
             f"({len(held_out)} {task.name} prompts)")
         save_policy(model, tokenizer, path)
+        tmp = path / (RECIPE + ".tmp")
+        tmp.write_text(json.dumps(recipe(cfg), indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path / RECIPE)
         log(f"warm start: saved {path} in {time.perf_counter() - t0:.0f} s")
         return WarmstartResult(path, n_params, w.steps, before, after, loss_value, time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
 
 
+RECIPE = "reflow_warmstart.json"
+# Warm-start keys that only change what is printed, not the weights.
+_NOT_IN_RECIPE = ("eval_prompts", "eval_batch_size", "max_new_tokens", "log_every")
+
+
+def recipe(cfg: "Config") -> dict:
+    """The settings a warm-started policy's weights are determined by, shaped like ``to_dict``'s."""
+    return {"run": {"seed": cfg.run.seed}, "task": dataclasses.asdict(cfg.task),
+            "warmstart": {k: v for k, v in dataclasses.asdict(cfg.warmstart).items() if k not in _NOT_IN_RECIPE},
+            "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if k.startswith("tiny_")}}
+
+
 def ensure_policy(cfg: "Config", log=print) -> Path:
     """``model.path``, warm-started first when it holds no model and ``model.warmstart`` is true."""
     path = Path(cfg.model.path)
     if (path / "config.json").is_file():
+        if cfg.model.warmstart and (path / RECIPE).is_file():
+            now = json.loads(json.dumps(recipe(cfg)))          # tuples as JSON lists, like the saved one
+            changed = [k for k, _, _ in config_changes(json.loads((path / RECIPE).read_text()), now)]
+            if changed:
+                raise ConfigError("model.path", cfg.model.path,
+                                  f"holds a policy warm-started with other settings ({', '.join(changed)} differ); "
+                                  f"delete it to warm-start again, set another model.path, or use it as it is with "
+                                  f"model.warmstart = false")
         return path
     if not cfg.model.warmstart:
         why = "no such directory" if not path.exists() else "no config.json in this directory"

@@ -129,3 +129,28 @@ def test_load_errors_name_the_problem(tmp_path):
         load_checkpoint(path, model=tiny_model(0, hidden=32), restore_rng=False)
     with pytest.raises(ValueError, match="extra key 'a/b'"):
         save_checkpoint(tmp_path, 2, model=tr.model, trainer_state=tr.state_dict(), extra={"a/b": 1})
+
+
+def test_resume_refuses_a_config_the_checkpoint_is_not_laid_out_by(tmp_path):
+    from conftest import python_m
+    from reflow_hpc import config as C
+    from reflow_hpc.train.checkpoint import resume_changes
+
+    overrides = ["model.warmstart=true", f"run.output_dir={tmp_path}", "run.name=r"]
+    cfg = C.load(None, overrides)
+    step = tmp_path / "r" / "checkpoints" / "step_000004"
+    (step / "extra").mkdir(parents=True)
+    (step / "extra" / "config.json").write_text(json.dumps(C.to_dict(cfg)))
+    (step / "meta.json").write_text(json.dumps({"step": 4, "extra": ["config"], "format": 1}))
+    now = C.to_dict(C.load(None, overrides + ["algorithm.group_size=4", "trainer.lr=3e-4", "task.max_terms=5"]))
+    fixed, free = resume_changes(step, now)
+    assert [k for k, _, _ in fixed] == ["algorithm.group_size", "task.max_terms"]
+    assert free == [("trainer.lr", cfg.trainer.lr, 3e-4)]
+    (tmp_path / "run.toml").write_text("")
+    r = python_m("reflow_hpc.run", str(tmp_path / "run.toml"), "--set", "model.warmstart=true",
+                 "--set", f"run.output_dir={tmp_path}",
+                 "--set", "run.name=r", "--set", "algorithm.group_size=4")
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("config error: algorithm.group_size = 4: the checkpoint this run resumes") and \
+        "step_000004" in line and "was written with 8" in line, r.stderr

@@ -80,11 +80,16 @@ def test_each_mode_runs_with_invariants(tmp_path, policy_dir, mode):
     # Every sample created ended in exactly one terminal state (nothing live after the run).
     assert summary["accounting_ok"] and summary["buffer"]["buffer/created"] == _terminal(summary)
     assert summary["buffer"]["buffer/lost"] == 0 and summary["buffer"]["buffer/failed"] == 0
-    assert (run_dir / "topology.json").exists() or True
+    topo = json.loads((run_dir / "topology.json").read_text())
+    assert topo["world_size"] == 4 and {r["role"] for r in topo["ranks"]} == (
+        {"trainer+rollout"} if mode == "sync" else {"trainer", "rollout"})
     assert (run_dir / "checkpoints" / "latest").is_file()
     shards = sorted((run_dir / "shards").glob("rank*/*.h5"))
     assert shards, "the run directory holds no shards"
-    assert "held-out reward" in r.stdout and "greedy exact match" in r.stdout
+    assert "task prompts not drawn in training" in r.stdout and "held-out texts, distinct" in r.stdout
+    assert summary["eval/task/prompts"] == 16 and summary["eval/held_out/prompts"] == 16
+    for k in ("task/start_reward", "task/final_greedy", "held_out/start_greedy", "held_out/final_reward"):
+        assert 0.0 <= summary[f"eval/{k}"] <= 1.0
 
 
 def _versions_by_step(run_dir: Path):
@@ -161,7 +166,7 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_flushed_samples(t
         if m.exists() and len(m.read_text().splitlines()) >= 2:
             break
         time.sleep(0.2)
-    rank0 = json.loads((run_dir / "ranks.json").read_text())[0]["pid"]
+    rank0 = json.loads((run_dir / "topology.json").read_text())["ranks"][0]["pid"]
     os.kill(rank0, signal.SIGUSR2)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]

@@ -102,3 +102,18 @@ def test_command_line(tmp_path):
     assert "exact match" in r.stdout and (out / "model.safetensors").is_file()
     bad = run_cmd([sys.executable, "-m", "reflow_hpc.warmstart", "--set", "warmstart.steps=-1"], timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("config error: warmstart.steps")
+
+
+def test_a_policy_warm_started_with_other_settings_is_refused(tmp_path):
+    path = tmp_path / "policy"
+    cfg = C.load(None, SMALL + ["warmstart.steps=2", "warmstart.eval_prompts=0", f"model.path={path}"])
+    assert ensure_policy(cfg, log=lambda s: None) == path and (path / "reflow_warmstart.json").is_file()
+    same = C.load(None, SMALL + ["warmstart.steps=2", "warmstart.eval_prompts=7", "warmstart.log_every=1",
+                                f"model.path={path}"])
+    assert ensure_policy(same, log=lambda s: None) == path          # what is only printed may differ
+    other = C.load(None, SMALL + ["warmstart.steps=3", "task.max_terms=5", f"model.path={path}"])
+    with pytest.raises(C.ConfigError) as e:
+        ensure_policy(other, log=lambda s: None)
+    assert e.value.key == "model.path" and "task.max_terms, warmstart.steps differ" in str(e.value)
+    as_is = C.load(None, SMALL[1:] + ["model.warmstart=false", "warmstart.steps=3", f"model.path={path}"])
+    assert ensure_policy(as_is, log=lambda s: None) == path          # used as it is, no recipe check

@@ -136,14 +136,20 @@ class TrainingLogic:
     def on_start(self, hellos: list, handshake_s: float, now: float) -> list[tuple[int, Any]]:
         self.started_at = now
         self.last_seen = {r: now for r in range(self.world)}
-        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.cfg.run_dir / "ranks.json").write_text(json.dumps(
-            [{"rank": h.rank, "node": h.node, "hostname": h.hostname, "pid": h.pid} for h in hellos], indent=1) + "\n")
+        from .selfcheck import write_topology
+        roles = {r: ("trainer+rollout" if r in self.trainers and r in self.rollouts else
+                     "trainer" if r in self.trainers else "rollout") for r in range(self.world)}
+        write_topology(self.cfg, hellos, None, handshake_s, roles)
         resume = str(self.resume_from) if self.resume_from else None
         setup = Setup(self.trainers, self.rollouts, self.cfg.reflow.mode == "sync", self.index.version, resume)
         if resume:
             print(f"coordinator: resuming from {resume} (step {self.pipeline.steps_done}, version "
                   f"{self.index.version})", flush=True)
+            from ..train.checkpoint import resume_changes
+            _, free = resume_changes(self.resume_from, to_dict(self.cfg))
+            if free:
+                print("coordinator: config changed since that checkpoint: "
+                      + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in free), flush=True)
         return [(r, setup) for r in range(self.world)]
 
     def on_message(self, source: int, msg: Any, now: float) -> list[tuple[int, Any]]:

@@ -60,38 +60,44 @@ class CheckLogic:
         return self.written is not None
 
 
-def write_topology(cfg: Config, hellos: list[Hello], reports: dict[int, CheckReport], handshake_s: float) -> Path:
+def write_topology(cfg: Config, hellos: list[Hello], reports: dict[int, CheckReport] | None, handshake_s: float,
+                   roles: dict[int, str] | None = None) -> Path:
+    """``topology.json`` in the run directory: written by the self-check (with the collectives it
+    verified) and at the start of every training run (with each rank's role)."""
     from .topology import place
     placement = place([h.node for h in hellos])
     ranks = []
     for h in hellos:
-        rep = reports[h.rank]
-        ranks.append({
-            "rank": h.rank, "node": h.node, "node_id": placement.node_of_rank[h.rank],
-            "local_rank": placement.local_rank[h.rank], "hostname": h.hostname, "pid": h.pid,
-            "device": rep.device, "visible_devices": h.devices, "scratch": h.scratch,
-            "handshake_rtt_s": round(rep.handshake_rtt_s, 6), "dist_init_s": round(rep.dist_init_s, 4),
-            "allreduce_s": round(rep.allreduce_s, 6),
-        })
-    ok = all(r.allreduce_ok and r.mpi_allreduce_ok for r in reports.values())
-    first = reports[0]
-    doc = {
+        entry = {"rank": h.rank, "node": h.node, "node_id": placement.node_of_rank[h.rank],
+                 "local_rank": placement.local_rank[h.rank], "hostname": h.hostname, "pid": h.pid,
+                 "visible_devices": h.devices, "scratch": h.scratch}
+        if roles is not None:
+            entry["role"] = roles[h.rank]
+        if reports is not None:
+            rep = reports[h.rank]
+            entry.update({"device": rep.device, "handshake_rtt_s": round(rep.handshake_rtt_s, 6),
+                          "dist_init_s": round(rep.dist_init_s, 4), "allreduce_s": round(rep.allreduce_s, 6)})
+        ranks.append(entry)
+    doc: dict = {
         "world_size": len(hellos),
         "num_nodes": len(placement.nodes),
         "nodes": placement.nodes,
         "ranks": ranks,
         "mpi": {"library": library_version(), "thread_level": "multiple"},
-        "torch_distributed": {"backend": first.backend,
-                              "allreduce": {"ok": all(r.allreduce_ok for r in reports.values()),
-                                            "value": first.allreduce_value, "expected": first.allreduce_expected},
-                              "mpi_allreduce_ok": all(r.mpi_allreduce_ok for r in reports.values())},
-        "verified": ok,
         "handshake_s": round(handshake_s, 6),
         "slurm": {k: os.environ[k] for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_JOB_NODELIST", "SLURM_NTASKS")
                   if k in os.environ},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": to_dict(cfg),
     }
+    if reports is not None:
+        first = reports[0]
+        doc["torch_distributed"] = {
+            "backend": first.backend,
+            "allreduce": {"ok": all(r.allreduce_ok for r in reports.values()),
+                          "value": first.allreduce_value, "expected": first.allreduce_expected},
+            "mpi_allreduce_ok": all(r.mpi_allreduce_ok for r in reports.values())}
+        doc["verified"] = all(r.allreduce_ok and r.mpi_allreduce_ok for r in reports.values())
     out = cfg.run_dir / "topology.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")

@@ -260,3 +260,22 @@ def load_model_weights(model: Any, model_dir: str | os.PathLike) -> None:
     missing = [n for n in dict(model.named_parameters()) if n not in seen]
     if missing:
         raise ValueError(f"checkpoint model {model_dir}: {len(missing)} parameters missing, first {missing[0]}")
+
+
+# Config keys a resumed run must share with the checkpoint: the buffer index, the shard manifests
+# and the saved tensors are laid out by them. Any other key may change between the two runs.
+RESUME_FIXED = ("algorithm.group_size", "resources.workers", "resources.trainer_replicas",
+                "resources.rollout_instances", "model.dtype", "model.tiny_", "task.")
+
+
+def resume_changes(checkpoint: Path, now: dict) -> tuple[list, list]:
+    """Split the config changes since ``checkpoint`` into (fixed keys, free keys); see RESUME_FIXED."""
+    path = checkpoint / "extra" / "config.json"
+    if not path.is_file():
+        return [], []
+    from ..config import config_changes
+    changes = config_changes(json.loads(path.read_text()), now)
+    fixed = [c for c in changes if any(c[0] == k or (k.endswith(("_", ".")) and c[0].startswith(k))
+                                       for k in RESUME_FIXED)]
+    return fixed, [c for c in changes if c not in fixed]
+
