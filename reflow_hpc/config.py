@@ -58,14 +58,16 @@ class RunConfig:
     output_dir: str = opt("runs", "Parent directory of run directories (shared file system on a cluster).")
     seed: int = opt(0, "Seed of every random stream (prompts, sampling, replay sampler, init).", ge=0)
     timeout_s: float = opt(120.0, "Upper bound of every wait on another rank (handshake, control "
-                                  "message, fetch, collective); the error names the rank and the operation.", gt=0)
+                                  "message, fetch, collective; the error names the rank and the operation), and of a "
+                                  "rank's exit after MPI_Finalize (past it SIGALRM ends the rank).", gt=0)
     poll_min_s: float = opt(0.0001, "First back-off of a thread polling MPI for messages.", gt=0)
     poll_max_s: float = opt(0.01, "Longest back-off of a polling thread (bounds message latency when idle).", gt=0)
     mpiexec: str = opt("mpiexec", "Launcher used when `reflow_hpc.run` is started without MPI "
                                   "(it relaunches itself with `-n resources.workers`).")
-    eval_prompts: int = opt(128, "Held-out prompts on which the start and the final policy are evaluated at the "
-                                 "end of a run (0 = none).", ge=0)
-    eval_samples: int = opt(4, "Samples per held-out prompt at the training temperature (the evaluation reports "
+    eval_prompts: int = opt(128, "Prompts per evaluation set at the end of a run (task prompts not drawn in "
+                                 "training; distinct held-out texts): the start and the trained policy are "
+                                 "scored on both (0 = no evaluation).", ge=0)
+    eval_samples: int = opt(4, "Samples per evaluation prompt at the training temperature (the evaluation reports "
                                "their mean reward, and greedy exact match).", ge=1)
     abort_grace_s: float = opt(1.0, "Seconds a failing rank waits after printing its error before it aborts the job, "
                                      "so that the launcher forwards the message.", ge=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -108,6 +109,9 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
     op = "start-up"
     try:
         import torch
+
+        from .runtime.dist import destroy
+
         torch.set_num_threads(cfg.resources.cpu_threads)
         rt.start()
         if args.check:
@@ -115,6 +119,7 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
             report = run_check(rt)
             rt.wait_stop()
             rt.shutdown()
+            destroy()
             if rt.rank == 0:
                 topo = rt.topology
                 path = cfg.run_dir / "topology.json"
@@ -129,20 +134,26 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
         return 1
 
 
-def finish_rank(code: int) -> None:
-    """End this rank promptly after MPI_Finalize.
+def finish_rank(code: int, teardown_s: float) -> int:
+    """Finalize MPI, then leave through the normal interpreter exit.
 
-    Finalize waits for every rank; once it returns, the launcher treats a rank that is still tearing
-    down its interpreter (torch, HDF5, thread pools) as hung and kills it with SIGKILL, turning a
-    successful run into a "bad termination". Everything this rank writes is closed by now.
+    MPICH ends its PMI session (the launcher's record that this rank finished cleanly) only in a C
+    exit handler. A rank that skips it (``os._exit``) closes its PMI connection unannounced, and
+    hydra takes that for a crash: it SIGKILLs every rank still running (typically one still in
+    MPI_Finalize) and a finished job fails. The interpreter's teardown is bounded instead: past
+    ``teardown_s`` SIGALRM ends the rank, so a hung destructor still ends the job.
     """
     sys.stdout.flush()
     sys.stderr.flush()
+    from .runtime.failure import failpoint
     from .runtime.mpi import init
     MPI = init()
-    if not MPI.Is_finalized():
-        MPI.Finalize()
-    os._exit(code)
+    rank = MPI.COMM_WORLD.Get_rank()
+    MPI.Finalize()
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, math.ceil(teardown_s)))
+    failpoint("exit", rank)
+    return code
 
 
 def train(rt) -> int:
@@ -206,14 +217,17 @@ def report(summary: dict, cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, *, exit_process: bool = True) -> int:
-    """``exit_process=False`` returns from a rank instead of finalizing MPI and exiting (for callers
-    that run a rank inside their own process, such as submitit's task wrapper)."""
+def main(argv: list[str] | None = None) -> int:
+    """One rank (under a launcher) or the launcher itself. A rank returns with MPI finalized and its
+    teardown bounded (:func:`finish_rank`), also inside submitit's task wrapper, whose own exit then
+    runs under that bound."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
 
     def go() -> int:
         cfg = load(args.config, args.overrides)
+        if not args.check:
+            check_resume(cfg)
         from .runtime.mpi import under_launcher
         if not under_launcher():
             if not args.check and cfg.model.warmstart:
@@ -221,9 +235,7 @@ def main(argv: list[str] | None = None, *, exit_process: bool = True) -> int:
                 ensure_policy(cfg)
             return relaunch(cfg, argv)
         code = run_rank(cfg, args)
-        if exit_process:
-            finish_rank(code)
-        return code
+        return finish_rank(code, cfg.run.timeout_s)
 
     return main_guard(go)
 

@@ -34,7 +34,7 @@ class RankJob:
 
     def __call__(self) -> int:
         from .run import main
-        code = main([self.config, *self.run_args], exit_process=False)
+        code = main([self.config, *self.run_args])
         if code != 0:
             raise RuntimeError(f"rank {os.environ.get('SLURM_PROCID', '?')} exited with code {code}")
         return code
@@ -148,10 +148,17 @@ def follow(job: Any, poll_s: float = 1.0) -> int:
         print(f"submit: job {job.job_id} ended {state or 'UNKNOWN'} (exit {code or '?'}); rank logs in "
               f"{job.paths.folder}", file=sys.stderr)
         for task in sorted(Path(job.paths.folder).glob(f"{job.job_id}_*_log.err")):
-            lines = [ln for ln in task.read_text(errors="replace").splitlines() if ln.startswith("reflow_hpc:")]
-            for ln in lines[-3:]:
+            for ln in failure_lines(task.read_text(errors="replace")):
                 print(f"  {task.name}: {ln}", file=sys.stderr)
     return 0 if ok else 1
+
+
+def failure_lines(err_log: str, keep: int = 3) -> list[str]:
+    """What a rank's stderr says about why it ended: our one-line errors, or else its last lines
+    (a traceback's tail, a signal) other than submitit's own progress lines."""
+    lines = [ln for ln in err_log.splitlines() if ln.strip()]
+    ours = [ln for ln in lines if ln.startswith("reflow_hpc:")]
+    return (ours or [ln for ln in lines if not ln.startswith("submitit INFO")])[-keep:]
 
 
 def _all_results_ok(job: Any) -> bool:
