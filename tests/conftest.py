@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,16 @@ def python_m(module: str, *args: str, **kw) -> subprocess.CompletedProcess:
     return run_cmd([sys.executable, "-m", module, *args], **kw)
 
 
-def leftover_processes(marker: str) -> list[str]:
-    """Command lines of live processes that mention `marker` (a unique run name)."""
-    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if "pgrep" not in ln]
+def leftover_processes(marker: str, within_s: float = 30.0) -> list[str]:
+    """Command lines of live processes that mention `marker` (a unique run name), once they had up
+    to `within_s` to go (killed ranks of an aborted job may take a moment to be reaped)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+        left = [ln for ln in out.splitlines() if "pgrep" not in ln]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")

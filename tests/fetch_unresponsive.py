@@ -48,6 +48,9 @@ def main() -> int:
         server = FetchServer(comm, store)
         threading.Thread(target=serve, args=(server, stop), daemon=True,
                          kwargs=dict(poll_min_s=1e-4, poll_max_s=5e-3)).start()
+    # Every owner holds its samples (and ranks 0-1 serve) before anyone fetches or stops answering:
+    # otherwise a slow start of rank 1 would look like an unresponsive owner.
+    comm.Barrier()
     if rank == 3:
         time.sleep(HANG_S)          # hangs: no MPI call, no service thread
     if rank != 0:

@@ -320,8 +320,11 @@ def test_calculator_deadline_and_limits():
 # calculator_tool: multi-turn flow driven by scripted model turns
 # --------------------------------------------------------------------------------------------
 
+SLOW_OK = "task.turn_timeout_s=60"     # a stalled process must not turn a tool call into a timeout
+
+
 def test_calculator_tool_multi_turn_flow():
-    task = envs.make_task(cfg("task.name=calculator_tool", "task.max_turns=3"))
+    task = envs.make_task(cfg("task.name=calculator_tool", "task.max_turns=3", SLOW_OK))
     assert task.multi_turn and task.stop == (CALL_CLOSE,)
     p = task.prompt(0)
     ep = task.start(p)
@@ -340,7 +343,7 @@ def test_calculator_tool_multi_turn_flow():
 
 
 def test_calculator_tool_turn_limit():
-    task = envs.make_task(cfg("task.name=calculator_tool", "task.max_turns=2"))
+    task = envs.make_task(cfg("task.name=calculator_tool", "task.max_turns=2", SLOW_OK))
     p = task.prompt(1)
     ep = task.start(p)
     assert not ep.step(f"{CALL_OPEN}1+1{CALL_CLOSE}").done
@@ -357,7 +360,7 @@ def test_calculator_tool_per_turn_timeout_becomes_an_error_observation():
 
 
 def test_calculator_tool_observations_cannot_answer_for_the_model():
-    task = envs.make_task(cfg("task.name=calculator_tool"))
+    task = envs.make_task(cfg("task.name=calculator_tool", SLOW_OK))
     p = task.prompt(2)
     ep = task.start(p)
     ep.step(f"{CALL_OPEN}{p.text.rstrip('=')}{CALL_CLOSE}")
@@ -366,7 +369,7 @@ def test_calculator_tool_observations_cannot_answer_for_the_model():
 
 
 def test_calculator_tool_solution_segments_mask_observations():
-    task = envs.make_task(cfg("task.name=calculator_tool"))
+    task = envs.make_task(cfg("task.name=calculator_tool", SLOW_OK))
     p = task.prompt(3)
     segs = task.solution_segments(p)
     assert [g for _, g in segs] == [True, False, True]

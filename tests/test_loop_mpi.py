@@ -111,12 +111,17 @@ def test_partial_rollout_spans_a_sync_under_new_weights(tmp_path, policy_dir):
     from reflow_hpc.train.checkpoint import load_model_weights
     from reflow_hpc.train.loss import token_logprobs
 
+    # A sync finds requests in flight only if the step's dispatch window is not used up before the
+    # step ends. With b_max = 32 a fast rollout pool often drained it (no partials at 3 of 4 syncs
+    # here, none at all on a faster machine); with a window far beyond what the pool generates in one
+    # step, every rollout worker sits at its concurrency cap when the sync arrives.
     steps = 4
     run_dir, metrics, summary, _ = run(
         tmp_path, policy_dir, "reflow.mode=fully_async", f"trainer.steps={steps}", "trainer.batch_size=16",
         "algorithm.group_size=4", "checkpoint.every_steps=1", "checkpoint.keep_last=0", "reflow.sync_every=1",
-        "rollout.max_new_tokens=96", "rollout.max_concurrency=32", "reflow.b_max=32", "reflow.delta=2")
-    assert metrics[-1]["partial_rollouts"] > 0
+        "rollout.max_new_tokens=96", "rollout.max_concurrency=32", "reflow.b_max=1024", "reflow.delta=2")
+    partials = [m["partial_rollouts"] for m in metrics]          # cumulative, one entry per step
+    assert all(b > a for a, b in zip(partials, partials[1:])), f"a sync resumed nothing: {partials}"
     samples = [t for t in _versions_by_step(run_dir) if len(set(t.versions[t.versions >= 0].tolist())) > 1]
     assert samples, "no sample carries tokens of two versions"
     model, _ = load_policy(policy_dir, "float32", "cpu")

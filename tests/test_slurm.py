@@ -7,6 +7,7 @@ import re
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,23 @@ def _wait_job(job_id: str, timeout: float = 240) -> str:
     raise AssertionError(f"job {job_id} still {state} after {timeout} s")
 
 
+def _job_report(job_id: str | None, log_dir: Path, slurm_conf: str) -> str:
+    """Everything Slurm and the ranks left about a job, for a failure message: the job record, its
+    completion record, each rank's log (tail) and the daemons' lines that name the job."""
+    if not job_id:
+        return "\n(no job id)"
+    parts = [subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout]
+    slurm_log = Path(slurm_conf).parent.parent / "log"
+    # (globbing a directory that does not exist yields nothing)
+    for f in sorted(p for p in log_dir.rglob("*") if p.is_file() and p.suffix != ".pkl"):
+        parts.append(f"--- {f.relative_to(log_dir)}\n{f.read_text(errors='replace')[-6000:]}")
+    for f in sorted(slurm_log.glob("*")):
+        text = f.read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if re.search(rf"(?<![\d.:]){job_id}\b", ln)]   # not in timestamps
+        parts.append(f"--- {f.name} (lines naming job {job_id})\n" + "\n".join(lines[-60:]))
+    return "\n" + "\n".join(parts)
+
+
 def _topology(run_dir):
     topo = json.loads((run_dir / "topology.json").read_text())
     assert topo["verified"] is True
@@ -44,7 +62,7 @@ def test_sbatch_local_script_runs_check_on_two_nodes(slurm_conf, tmp_path):
     job_id = r.stdout.strip().split(";")[0]
     state = _wait_job(job_id)
     log = (tmp_path / f"{job_id}.out").read_text()
-    assert state == "COMPLETED", log
+    assert state == "COMPLETED", log + _job_report(job_id, tmp_path, slurm_conf)
     topo = _topology(tmp_path / name)
     assert topo["world_size"] == 4 and topo["num_nodes"] == 2
     assert sorted(topo["nodes"]) == ["n1", "n2"]
@@ -60,7 +78,8 @@ def test_submit_wait_through_submitit(slurm_conf, tmp_path):
     r = run_cmd(["python", "-m", "reflow_hpc.submit", "--nodes", "2", "--wait", CFG, "--set",
                  f"slurm.log_dir={tmp_path}/logs", "--",
                  "--check", "--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}"], timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = m.group(1) if (m := re.search(r"submitted job (\d+)", r.stdout)) else None
+    assert r.returncode == 0, r.stdout + r.stderr + _job_report(job_id, tmp_path / "logs", slurm_conf)
     assert "submitted job" in r.stdout and "self-check: 4 ranks on 2 node(s)" in r.stdout
     topo = _topology(tmp_path / name)
     assert topo["world_size"] == 4 and topo["num_nodes"] == 2

@@ -62,10 +62,13 @@ def main() -> None:
         sync = WeightSync.for_model(model, src=0, bucket_mb=args.bucket_mb, group=group, timeout_s=args.timeout)
     digests = []
     for version in (1, 2):
+        if rank == 0 and version == 2:
+            items = make_batch(model, cfg, seed=3)
+            trainer.train_step(items, loss_tokens(items))
+        # Each sync starts together on every rank: its timeout bounds the transfer, not how long the
+        # others took to build their models or to train (seconds on a loaded machine).
+        comm.Barrier()
         if rank == 0:
-            if version == 2:
-                items = make_batch(model, cfg, seed=3)
-                trainer.train_step(items, loss_tokens(items))
             stats = sync.send(trainer.named_weights())
         else:
             storages = []
@@ -88,6 +91,7 @@ def main() -> None:
     # 2. Rank 2 holds another architecture.
     other = tiny_model(2, layers=3) if rank == 2 else model
     check = WeightSync.for_model(other, src=0, bucket_mb=args.bucket_mb, group=group, timeout_s=args.timeout)
+    comm.Barrier()
     try:
         if rank == 0:
             check.send(trainer.named_weights())

@@ -23,6 +23,7 @@ while [ $# -gt 0 ]; do
 done
 case "$NODES" in ''|*[!0-9]*|0) echo "local_slurm.sh: --nodes must be a positive integer, got '$NODES'" >&2; exit 2 ;; esac
 CONF=$ROOT/etc/slurm.conf
+MUNGE_PID=$ROOT/munge/munged.pid
 export SLURM_CONF=$CONF
 
 log() { echo "local_slurm: $*" >&2; }
@@ -52,10 +53,15 @@ start_munge() {
   fi
   mkdir -p /run/munge /var/log/munge /var/lib/munge
   chown munge:munge /run/munge /var/log/munge /var/lib/munge
-  # munged refuses a root-owned setup unless run as its own user.
-  runuser -u munge -- /usr/sbin/munged --pid-file="$ROOT/munged.pid"
+  # munged refuses a root-owned setup unless run as its own user, who must be able to write the
+  # PID file: it lives in a directory of munge's own (without it, `down` could not find munged).
+  mkdir -p "$ROOT/munge"
+  chown munge:munge "$ROOT/munge"
+  runuser -u munge -- /usr/sbin/munged --pid-file="$MUNGE_PID"
   for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
   munge -n | unmunge >/dev/null || { log "munged did not come up"; exit 1; }
+  for _ in $(seq 50); do [ -s "$MUNGE_PID" ] && break; sleep 0.1; done
+  [ -s "$MUNGE_PID" ] || { log "munged wrote no PID file at $MUNGE_PID"; exit 1; }
   touch "$ROOT/munged.ours"
 }
 
@@ -141,13 +147,13 @@ down() {
     [ -f "$p" ] || continue
     if alive "$p"; then kill "$(cat "$p")" && stopped=$((stopped + 1)); fi
   done
-  if [ -f "$ROOT/munged.ours" ] && alive "$ROOT/munged.pid"; then
-    kill "$(cat "$ROOT/munged.pid")" && stopped=$((stopped + 1))
+  if [ -f "$ROOT/munged.ours" ] && alive "$MUNGE_PID"; then
+    kill "$(cat "$MUNGE_PID")" && stopped=$((stopped + 1))
     rm -f "$ROOT/munged.ours"
   fi
   for _ in $(seq 50); do
     local any=0
-    for p in "$ROOT"/slurmd-*.pid "$ROOT/slurmctld.pid" "$ROOT/munged.pid"; do alive "$p" && any=1; done
+    for p in "$ROOT"/slurmd-*.pid "$ROOT/slurmctld.pid" "$MUNGE_PID"; do alive "$p" && any=1; done
     [ $any = 0 ] && break
     sleep 0.1
   done
@@ -157,7 +163,7 @@ down() {
 
 status() {
   local p
-  for p in "$ROOT/slurmctld.pid" "$ROOT"/slurmd-*.pid "$ROOT/munged.pid"; do
+  for p in "$ROOT/slurmctld.pid" "$ROOT"/slurmd-*.pid "$MUNGE_PID"; do
     [ -f "$p" ] || continue
     if alive "$p"; then echo "$(basename "$p" .pid): running (pid $(cat "$p"))"; else echo "$(basename "$p" .pid): not running"; fi
   done
