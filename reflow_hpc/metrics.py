@@ -17,7 +17,7 @@ Per-step names written by the coordinator:
 | ``reward/replay_mean`` | mean reward of its replayed samples |
 | ``response_length/mean`` | mean response tokens of the batch |
 | ``sync_seconds`` | duration of the most recent weight sync |
-| ``buffer/*`` | replay-buffer gauges: ready, replay, training, pending, running, finished, and one count per terminal reason |
+| ``buffer/*`` | replay-buffer gauges: ready, replay, training, pending, running, finished, one count per terminal reason, and ``evicted_unused`` (evicted stale before any training: generation spent for nothing) |
 | ``trainer/*`` | loss, pg_loss, kl, entropy, clip_fraction, grad_norm, lr, ... (replica mean) |
 | ``rollout/concurrency_cap/<rank>`` | per-worker concurrency cap |
 """

@@ -68,7 +68,7 @@ def num_parameters(model: Any) -> int:
 
 
 @contextlib.contextmanager
-def _no_progress_bars():
+def no_progress_bars():
     """Silence transformers' progress bars (one small shard: a bar per load is only noise)."""
     from transformers.utils import logging as hf_logging
 
@@ -89,7 +89,7 @@ def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> Pat
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with _no_progress_bars():
+        with no_progress_bars():
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
         if final.exists():
@@ -114,7 +114,7 @@ def load_policy(path: str | os.PathLike, dtype: str = "float32", device: str = "
     if not (p / "config.json").is_file():
         why = "no such directory" if not p.exists() else "no config.json in this directory"
         raise FileNotFoundError(f"policy {p}: {why}")
-    with _no_progress_bars():
+    with no_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype), local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     return model.to(device).eval(), tokenizer

@@ -213,7 +213,8 @@ def report(summary: dict, cfg: Config) -> str:
     ends = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in b.items()
                      if k.startswith("buffer/") and k.split("/", 1)[1] in
                      ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost"))
-    lines.append(f"samples: {b.get('buffer/created', 0)} created; ended: {ends}")
+    lines.append(f"samples: {b.get('buffer/created', 0)} created; ended: {ends} "
+                 f"({b.get('buffer/evicted_unused', 0)} of the evicted never trained)")
     return "\n".join(lines)
 
 

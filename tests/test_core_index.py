@@ -193,10 +193,12 @@ def test_staleness_eviction_at_bump_delta_one():
     assert sorted(r.sample_id for r in rel) == [0, 1] + list(ready)
     assert all(r.reason == "evicted_stale" and r.has_payload and r.rank == 1 for r in rel)
     assert idx.terminal_counts()["evicted_stale"] == 4
+    assert idx.gauges()["buffer/evicted_unused"] == 2        # the two ready ones were never trained
     assert idx.count("ready") == idx.count("replay") == 0 and idx.count("pending") == 2
     # pending samples are not evicted; one that finishes already too stale is evicted on arrival
     rel = idx.finished(g.sample_ids[0], owner=3, reward=1.0, min_version=0, max_version=2, loss_tokens=5)
     assert [(r.sample_id, r.reason, r.rank) for r in rel] == [(g.sample_ids[0], "evicted_stale", 3)]
+    assert idx.gauges()["buffer/evicted_unused"] == 3
     # a partial rollout whose oldest token is recent enough stays
     assert idx.finished(g.sample_ids[1], owner=3, reward=0.0, min_version=1, max_version=2, loss_tokens=5) == []
     assert idx.count("ready") == 1
@@ -211,6 +213,7 @@ def test_training_samples_survive_bump_and_are_checked_at_step_end():
     assert idx.count("training") == 2
     rel = idx.step_done(b)
     assert [r.reason for r in rel] == ["evicted_stale", "evicted_stale"]
+    assert idx.gauges()["buffer/evicted_unused"] == 0        # trained once before they went stale
     idx.check_invariants()
 
 

@@ -80,6 +80,8 @@ def test_each_mode_runs_with_invariants(tmp_path, policy_dir, mode):
     # Every sample created ended in exactly one terminal state (nothing live after the run).
     assert summary["accounting_ok"] and summary["buffer"]["buffer/created"] == _terminal(summary)
     assert summary["buffer"]["buffer/lost"] == 0 and summary["buffer"]["buffer/failed"] == 0
+    assert 0 <= summary["buffer"]["buffer/evicted_unused"] <= summary["buffer"]["buffer/evicted_stale"]
+    assert "of the evicted never trained" in r.stdout
     topo = json.loads((run_dir / "topology.json").read_text())
     assert topo["world_size"] == 4 and {r["role"] for r in topo["ranks"]} == (
         {"trainer+rollout"} if mode == "sync" else {"trainer", "rollout"})

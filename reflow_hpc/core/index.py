@@ -109,7 +109,7 @@ STATE_FORMAT = 1
 # Stable metric names (DESIGN §10): gauges() returns exactly these keys.
 GAUGE_NAMES = (tuple(f"buffer/{s}" for s in (READY, REPLAY, TRAINING, PENDING, RUNNING, FINISHED))
                + tuple(f"buffer/{r}" for r in TERMINAL_REASONS)
-               + ("buffer/created", "dispatch/budget", "step", "version"))
+               + ("buffer/evicted_unused", "buffer/created", "dispatch/budget", "step", "version"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,6 +220,7 @@ class ReplayIndex:
         self._groups: dict[int, _GroupState] = {}              # incomplete groups
         self._count = dict.fromkeys(LIVE_STATES, 0)
         self._terminal = dict.fromkeys(TERMINAL_REASONS, 0)
+        self._evicted_unused = 0        # evicted stale before any training: generation spent for nothing
         self._created = 0
         # Staleness eviction without scans: pooled samples bucketed by min version. The values are
         # dicts used as insertion-ordered sets.
@@ -306,6 +307,7 @@ class ReplayIndex:
         """Metrics under the stable names of GAUGE_NAMES."""
         g = {f"buffer/{s}": self._count[s] for s in (READY, REPLAY, TRAINING, PENDING, RUNNING, FINISHED)}
         g.update({f"buffer/{r}": n for r, n in self._terminal.items()})
+        g["buffer/evicted_unused"] = self._evicted_unused
         g["buffer/created"] = self._created
         g["dispatch/budget"] = self.dispatch_budget
         g["step"] = self._step
@@ -557,6 +559,7 @@ class ReplayIndex:
             "finish_seq": self._finish_seq,
             "created": self._created,
             "terminal": dict(self._terminal),
+            "evicted_unused": self._evicted_unused,
             "budget": self._budget,
             "rng": [version, list(internal), gauss],
             "samples": [self._samples[sid].to_row() for sid in sorted(self._samples)],
@@ -602,6 +605,7 @@ class ReplayIndex:
         self._next_sample_id, self._next_group_id = state["next_sample_id"], state["next_group_id"]
         self._finish_seq, self._created = state["finish_seq"], state["created"]
         self._terminal.update(state["terminal"])
+        self._evicted_unused = state.get("evicted_unused", 0)      # absent in checkpoints before it was counted
         rng_version, internal, gauss = state["rng"]
         self._rng.setstate((rng_version, tuple(internal), gauss))
         for row in state["samples"]:
@@ -715,6 +719,9 @@ class ReplayIndex:
         if self._created != live + ended or live != len(self._samples):
             raise AssertionError(f"accounting: created {self._created} != live {live} "
                                  f"({len(self._samples)} records) + ended {ended} {self._terminal}")
+        if not 0 <= self._evicted_unused <= self._terminal[EVICTED_STALE]:
+            raise AssertionError(f"accounting: evicted_unused {self._evicted_unused} outside "
+                                 f"[0, evicted_stale {self._terminal[EVICTED_STALE]}]")
 
     def check_invariants(self) -> None:
         """Every structural invariant, by a full scan; raises AssertionError naming the first broken."""
@@ -852,6 +859,8 @@ class ReplayIndex:
             self._rank_discard(rank, sid)
         del self._samples[sid]
         self._terminal[reason] += 1
+        if reason == EVICTED_STALE and rec.times_used == 0:
+            self._evicted_unused += 1
         out.append(Release(sid, rank, reason, not generating))
         if generating:
             group = self._groups[rec.group_id]

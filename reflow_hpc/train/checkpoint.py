@@ -43,6 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..policy import no_progress_bars
+
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _EXTRA_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
 LATEST = "latest"
@@ -118,9 +120,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model: Any, tokenizer
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "model")
+        with no_progress_bars():          # a bar per checkpoint is only noise in the run's log
+            model.save_pretrained(tmp / "model", safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "model")
         state = {k: v for k, v in trainer_state.items() if k != "model"}
         torch.save({"step": int(step), "trainer": state, "rng": rng_states()}, tmp / "trainer.pt")
         (tmp / "extra").mkdir()
