@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import os
 import shutil
 import time
 from pathlib import Path

@@ -281,4 +281,3 @@ def resume_changes(checkpoint: Path, now: dict) -> tuple[list, list]:
     fixed = [c for c in changes if any(c[0] == k or (k.endswith(("_", ".")) and c[0].startswith(k))
                                        for k in RESUME_FIXED)]
     return fixed, [c for c in changes if c not in fixed]
-
