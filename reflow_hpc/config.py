@@ -60,6 +60,12 @@ class RunConfig:
     timeout_s: float = opt(120.0, "Upper bound of every wait on another rank (handshake, control "
                                   "message, fetch, collective; the error names the rank and the operation), and of a "
                                   "rank's exit after MPI_Finalize (past it SIGALRM ends the rank).", gt=0)
+    setup_timeout_s: float = opt(240.0, "Upper bound of a training run's set-up on every rank (loading the "
+                                        "model, building engine and trainer, joining torch.distributed); the "
+                                        "coordinator names the ranks that did not report ready.", gt=0)
+    master_addr: str = opt("", "Address that torch.distributed rendezvous on (rank 0 listens there). Empty = "
+                               "127.0.0.1 when every rank runs on one host, else rank 0's host name as Slurm "
+                               "placed it (resolved to an address).")
     poll_min_s: float = opt(0.0001, "First back-off of a thread polling MPI for messages.", gt=0)
     poll_max_s: float = opt(0.01, "Longest back-off of a polling thread (bounds message latency when idle).", gt=0)
     mpiexec: str = opt("mpiexec", "Launcher used when `reflow_hpc.run` is started without MPI "
@@ -232,8 +238,10 @@ class ResourcesConfig:
 @dataclass
 class SchedulerConfig:
     """Generation scheduling and placement."""
-    queue_samples: int = opt(32, "Samples a rollout worker may hold queued beyond its running slots "
-                                "(rollout.max_concurrency); keeps its engine busy between dispatches.", ge=0)
+    queue_samples: int = opt(32, "Samples a rollout worker may hold queued beyond its running slots: the "
+                                "coordinator dispatches to a worker while it holds fewer than "
+                                "rollout.max_concurrency + queue_samples unfinished samples (at least one group), "
+                                "which keeps its engine busy between dispatches.", ge=0)
 
 
 @dataclass
@@ -312,6 +320,10 @@ class Config:
     @property
     def b_max(self) -> int:
         return self.reflow.b_max or self.trainer.batch_size
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,6 +486,16 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
         key, val = ("reflow.b_max", cfg.reflow.b_max) if cfg.reflow.b_max else ("trainer.batch_size", cfg.trainer.batch_size)
         raise ConfigError(key, val, f"must be ≥ algorithm.group_size ({cfg.algorithm.group_size}): "
                                     f"groups are dispatched whole")
+    if cfg.rollout.max_concurrency + cfg.scheduler.queue_samples < cfg.algorithm.group_size:
+        raise ConfigError("scheduler.queue_samples", cfg.scheduler.queue_samples,
+                          f"rollout.max_concurrency + scheduler.queue_samples must be ≥ algorithm.group_size "
+                          f"({cfg.algorithm.group_size}): a worker takes whole groups")
+    from .core.modes import ModeError, check
+    try:
+        check(cfg.reflow.mode, sigma=cfg.reflow.sigma, delta=cfg.reflow.delta, b_max=cfg.b_max,
+              batch_size=cfg.trainer.batch_size, sync_every=cfg.reflow.sync_every)
+    except ModeError as e:
+        raise ConfigError(e.key, e.value, e.why) from None
     if cfg.checkpoint.every_steps % cfg.reflow.sync_every:
         raise ConfigError("checkpoint.every_steps", cfg.checkpoint.every_steps,
                           f"must be a multiple of reflow.sync_every ({cfg.reflow.sync_every})")

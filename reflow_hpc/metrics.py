@@ -15,10 +15,16 @@ Per-step names written by the coordinator:
 | ``staleness/mean``, ``staleness/max`` | current version − oldest token version, over the batch |
 | ``reward/mean`` | mean reward of the batch's unused (fresh) samples |
 | ``reward/replay_mean`` | mean reward of its replayed samples |
-| ``response_length/mean`` | mean response tokens of the batch |
-| ``sync_seconds`` | duration of the most recent weight sync |
+| ``response_length/mean`` | mean generated response tokens of the batch's samples (tool observations excluded) |
+| ``sync_seconds`` | duration of the most recent weight sync (its slowest member) |
+| ``partial_rollouts`` | in-flight samples held at a sync and resumed under the new weights, so far |
+| ``rollout/generated_tokens_per_s`` | tokens the rollout workers generated in the step ÷ step wall time |
+| ``finish_reason/<reason>`` | finished samples so far by how generation ended (stop, length, turns) |
+| ``samples/unused``, ``samples/replay`` | composition of the batch |
+| ``fetch_seconds`` | the slowest replica's time to fetch its samples from their owners |
 | ``buffer/*`` | replay-buffer gauges: ready, replay, training, pending, running, finished, one count per terminal reason, and ``evicted_unused`` (evicted stale before any training: generation spent for nothing) |
-| ``trainer/*`` | loss, pg_loss, kl, entropy, clip_fraction, grad_norm, lr, ... (replica mean) |
+| ``trainer/*`` | loss, pg_loss, kl, entropy, clip_fraction, grad_norm, lr, ... (replica mean; ``*max`` the largest, ``*_min`` the smallest) |
+| ``trainer/token_staleness_min``, ``trainer/token_staleness_max`` | over every token trained in the step: trainer version − the version that generated it (checked against the mode's guarantee by the trainer) |
 | ``rollout/concurrency_cap/<rank>`` | per-worker concurrency cap |
 """
 
@@ -29,7 +35,55 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from .core.coordinator import StepRecord
+
+
+class StepMetrics:
+    """The per-step metrics of the table above, from the coordinator's step records."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def __call__(self, rec: "StepRecord") -> dict[str, Any]:
+        batch, reports = rec.batch, rec.replicas
+        step_time = max(rec.done_at - rec.started_at, 1e-9)
+        stats0 = reports[0].stats if reports else {}
+        tokens = float(stats0.get("tokens", 0.0))
+        fresh = [r for r, rep in zip(batch.rewards, batch.is_replay) if not rep]
+        replayed = [r for r, rep in zip(batch.rewards, batch.is_replay) if rep]
+        record: dict[str, Any] = {
+            "step": rec.step + 1, "version": rec.version, "mode": self.mode,
+            "throughput_tokens_per_s": tokens / step_time, "step_seconds": step_time,
+            "idle_ratio/trainer": min(1.0, _mean([r.idle_s for r in reports]) / step_time) if reports else math.nan,
+            "idle_ratio/rollout": min(1.0, rec.rollout_idle_s / (rec.rollout_workers * step_time)),
+            "replay_fraction": batch.replay_fraction, "alpha": batch.alpha,
+            "staleness/mean": _mean(batch.staleness), "staleness/max": max(batch.staleness),
+            "reward/mean": _mean(fresh), "reward/replay_mean": _mean(replayed),
+            "response_length/mean": _mean(batch.loss_tokens),
+            "sync_seconds": math.nan if rec.sync_seconds is None else rec.sync_seconds,
+            "samples/unused": batch.num_unused, "samples/replay": batch.num_replay,
+            "tokens": tokens, "fetch_seconds": max((r.fetch_s for r in reports), default=math.nan),
+            "partial_rollouts": rec.partial_rollouts,
+            "rollout/generated_tokens_per_s": rec.generated_tokens / step_time,
+        }
+        for w, cap in sorted(rec.concurrency_caps.items()):
+            record[f"rollout/concurrency_cap/{w}"] = cap
+        for reason, n in sorted(rec.finish_reasons.items()):
+            record[f"finish_reason/{reason}"] = n
+        record.update(rec.gauges)
+        record.update(step=rec.step + 1, version=rec.version)     # the gauges' own are the index's, after the step
+        for k in sorted({k for rep in reports for k in rep.stats}):
+            vals = [float(rep.stats[k]) for rep in reports if k in rep.stats]
+            record[f"trainer/{k}"] = max(vals) if k.endswith("max") else min(vals) if k.endswith("_min") else _mean(vals)
+        return record
+
+
+def _mean(xs: Any) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else math.nan
 
 
 class MetricsSink:

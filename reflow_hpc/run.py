@@ -72,10 +72,9 @@ def check_resume(cfg: Config) -> None:
     if not cfg.checkpoint.resume:
         return
     from .config import ConfigError, to_dict
-    from .runtime.worker import checkpoint_root
     from .train.checkpoint import latest_checkpoint, resume_changes
 
-    latest = latest_checkpoint(checkpoint_root(cfg))
+    latest = latest_checkpoint(cfg.checkpoint_dir)
     if latest is None:
         return
     fixed, _ = resume_changes(latest, to_dict(cfg))
@@ -92,11 +91,11 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
 
     try:
         if args.check:
-            from .runtime.selfcheck import CheckLogic, run_check
-            rt = Runtime(cfg, lambda: CheckLogic(cfg, cfg.resources.workers))
+            from .runtime.selfcheck import CheckSide, run_check
+            rt = Runtime(cfg, lambda: CheckSide(cfg, cfg.resources.workers))
         else:
-            from .runtime.driver import TrainingLogic
-            rt = Runtime(cfg, lambda: TrainingLogic(cfg))
+            from .runtime.training import TrainingSide
+            rt = Runtime(cfg, lambda: TrainingSide(cfg))
     except LaunchError as e:
         print(f"reflow_hpc: {e}", file=sys.stderr, flush=True)
         return 1
@@ -110,7 +109,7 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from .runtime.dist import destroy
+        from .comm.dist import destroy
 
         torch.set_num_threads(cfg.resources.cpu_threads)
         rt.start()
@@ -145,8 +144,8 @@ def finish_rank(code: int, teardown_s: float) -> int:
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    from .runtime.failure import failpoint
-    from .runtime.mpi import init
+    from .comm.failure import failpoint
+    from .comm.mpi import init
     MPI = init()
     rank = MPI.COMM_WORLD.Get_rank()
     MPI.Finalize()
@@ -158,27 +157,27 @@ def finish_rank(code: int, teardown_s: float) -> int:
 
 def train(rt) -> int:
     """One rank of a training run; rank 0 also reports, evaluates and, after USR2, requeues."""
-    from .runtime.dist import destroy
-    from .runtime.driver import STOP_SIGNALS
+    from .comm.dist import destroy
+    from .runtime.training import STOP_SIGNALS
     from .runtime.worker import Worker
 
-    logic = rt.coordinator.logic if rt.coordinator is not None else None
+    side = rt.coordinator.side if rt.coordinator is not None else None
     stop_signal: list[int] = []
 
     def on_stop(signum: int, frame: object) -> None:
         stop_signal.append(signum)
-        logic.request_stop(signum, frame)
+        side.request_stop(signum, frame)
 
     # Slurm signals every task; only the coordinator acts, the others wait for its Stop.
     for sig in STOP_SIGNALS:
-        signal.signal(sig, on_stop if logic is not None else signal.SIG_IGN)
+        signal.signal(sig, on_stop if side is not None else signal.SIG_IGN)
     worker = Worker(rt)
     worker.run()
     rt.shutdown()
     destroy()
-    if logic is None:
+    if side is None:
         return 0
-    summary = dict(logic.summary)
+    summary = dict(side.summary)
     if rt.cfg.run.eval_prompts and worker.trainer is not None:
         summary.update(evaluate(rt.cfg, worker.trainer.model, worker.tokenizer))
     (rt.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -229,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load(args.config, args.overrides)
         if not args.check:
             check_resume(cfg)
-        from .runtime.mpi import under_launcher
+        from .comm.mpi import under_launcher
         if not under_launcher():
             if not args.check and cfg.model.warmstart:
                 from .warmstart import ensure_policy

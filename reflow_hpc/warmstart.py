@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import random
 import sys
@@ -38,8 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError, config_changes, load, main_guard
+from .config import ConfigError, TrainerConfig, config_changes, load, main_guard
 from .envs import Prompt, Task, make_task, prompt_token_ids
+from .evaluation import exact_match
 
 if TYPE_CHECKING:
     from .config import Config
@@ -104,69 +104,12 @@ def _batches(cfg: "Config", tokenizer: Any, task: Task):
             yield ids, labels, mask
 
 
-def _lr_factor(step: int, warmup: int, total: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def greedy_episodes(model: Any, tokenizer: Any, task: Task, prompts: list[Prompt], max_new_tokens: int,
-                    batch_size: int = 64, chat_template: bool = False) -> list[Any]:
-    """Finished episodes of greedy decoding; tool observations are inserted between model turns."""
-    import torch
-
-    stop_ids = list(task.stop_token_ids(tokenizer))
-    episodes = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        eps = [task.start(p) for p in chunk]
-        prompt_ids = [prompt_token_ids(tokenizer, p.text, chat_template) for p in chunk]
-        response_ids: list[list[int]] = [[] for _ in chunk]
-        while True:
-            active = [i for i, ep in enumerate(eps) if not ep.done]
-            if not active:
-                break
-            seqs = [prompt_ids[i] + response_ids[i] for i in active]
-            budget = [max_new_tokens - len(response_ids[i]) for i in active]
-            width = max(map(len, seqs))
-            pad = tokenizer.pad_token_id
-            ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])       # left padding
-            mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
-            with torch.no_grad():
-                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                     max_new_tokens=max(budget), eos_token_id=stop_ids, pad_token_id=pad)
-            for row, i in enumerate(active):
-                new = out[row, width:].tolist()[: budget[row]]
-                cut = next((k + 1 for k, t in enumerate(new) if t in stop_ids), len(new))
-                new = new[:cut]
-                response_ids[i] += new
-                obs = eps[i].step(tokenizer.decode(new, skip_special_tokens=True))
-                if not obs.done:
-                    response_ids[i] += tokenizer.encode(obs.text, add_special_tokens=False)
-                    if len(response_ids[i]) >= max_new_tokens:
-                        eps[i].end("length")
-        episodes += eps
-    return episodes
-
-
-def exact_match(model: Any, tokenizer: Any, task: Task, prompts: list[Prompt], max_new_tokens: int,
-                batch_size: int = 64, chat_template: bool = False) -> float:
-    """Fraction of prompts whose greedy episode earns reward 1."""
-    if not prompts:
-        return float("nan")
-    was_training = model.training
-    model.eval()
-    eps = greedy_episodes(model, tokenizer, task, prompts, max_new_tokens, batch_size, chat_template)
-    model.train(was_training)
-    return sum(ep.reward() >= 1.0 for ep in eps) / len(eps)
-
-
 def warmstart(cfg: "Config", out: str | Path | None = None, log=print) -> WarmstartResult:
     """Build the tiny policy, SFT-train it, save it to ``out`` (default ``model.path``)."""
     import torch
 
     from .policy import build_tiny_policy, num_parameters, save_policy
+    from .train.optim import build_optimizer, build_scheduler
 
     w = cfg.warmstart
     path = Path(out if out is not None else cfg.model.path)
@@ -187,8 +130,12 @@ def warmstart(cfg: "Config", out: str | Path | None = None, log=print) -> Warmst
 
         before = measure()
         torch.manual_seed(cfg.run.seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=w.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, w.warmup_steps, w.steps))
+        # The trainer's AdamW and schedule, with a cosine decay to zero at the last step.
+        schedule = TrainerConfig(steps=max(1, w.steps), lr=w.lr, weight_decay=w.weight_decay,
+                                 warmup_steps=min(w.warmup_steps, max(1, w.steps)), schedule="cosine",
+                                 min_lr_ratio=0.0)
+        opt = build_optimizer(model.named_parameters(), schedule)
+        sched = build_scheduler(opt, schedule)
         model.train()
         loss_value = float("nan")
         for step, (ids, labels, mask) in enumerate(_batches(cfg, tokenizer, task), start=1):

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 import traceback
 from collections import Counter, deque
@@ -38,14 +37,16 @@ from pathlib import Path
 
 import numpy as np
 
-from reflow_hpc.runtime import mpi as rmpi
+from reflow_hpc.comm import mpi as rmpi
 
 MPI = rmpi.init()
 
 from reflow_hpc.config import ReflowConfig, StorageConfig  # noqa: E402
 from reflow_hpc.core.index import build_index  # noqa: E402
 from reflow_hpc.core.sample import EVICTED_STALE, READY, TERMINAL_REASONS  # noqa: E402
-from reflow_hpc.storage.fetch import FetchClient, FetchServer, serve  # noqa: E402
+from reflow_hpc.comm.channel import ControlChannel  # noqa: E402
+from reflow_hpc.runtime.service import ServiceThread  # noqa: E402
+from reflow_hpc.storage.fetch import FetchClient, FetchServer  # noqa: E402
 from reflow_hpc.storage.reader import ShardReader  # noqa: E402
 from reflow_hpc.storage.store import SampleStore  # noqa: E402
 from reflow_hpc.trajectory import NOT_GENERATED, Trajectory  # noqa: E402
@@ -172,13 +173,13 @@ class Channel:
         return None if msg is None else (status.Get_source(), msg.recv())
 
     def flush(self, op: str) -> None:
-        rmpi.wait_for(lambda: all(r.Test() for r in self._sends), timeout=self.timeout, rank=self.rank, op=op)
+        rmpi.wait_until(lambda: all(r.Test() for r in self._sends), timeout=self.timeout, rank=self.rank, op=op)
         self._sends.clear()
 
 
 # ---------------------------------------------------------------------------------- producer
 
-def producer(args, data, ctrl: Channel) -> int:
+def producer(args, data, ctrl: Channel, service_comm) -> int:
     rank = ctrl.rank
     token_s = args.token_us[(rank - 1) % len(args.token_us)] * 1e-6
     cfg = StorageConfig(flush_rows=4, flush_s=0.02, segment_mib=args.segment_mib, memory_mib=args.memory_mib,
@@ -186,9 +187,8 @@ def producer(args, data, ctrl: Channel) -> int:
     directory = Path(args.dir) / f"rank{rank:02d}"
     store = CountingStore(directory, rank, cfg)
     server = FetchServer(data, store, send_timeout_s=args.timeout, poll_min_s=1e-4, poll_max_s=2e-3)
-    stop_service = threading.Event()
-    service = threading.Thread(target=serve, args=(server, stop_service), name=f"service-{rank}", daemon=True,
-                               kwargs=dict(poll_min_s=1e-4, poll_max_s=2e-3, on_idle=store.maybe_flush))
+    service = ServiceThread(ControlChannel(service_comm, poll_min_s=1e-4, poll_max_s=2e-3),
+                            pollers=[server.poll, store.maybe_flush])
     service.start()
 
     queue: deque[tuple[int, int, int]] = deque()      # (sample id, group id, prompt id)
@@ -249,7 +249,7 @@ def producer(args, data, ctrl: Channel) -> int:
 
     counts["abandoned"] += len(queue)
     # Rank 0 fetched its last batch before it sent stop: nothing more to serve.
-    stop_service.set()
+    service.stop()
     service.join(timeout=args.timeout)
     if service.is_alive():
         raise rmpi.RankTimeout(rank, "stopping the service thread", args.timeout)
@@ -496,8 +496,9 @@ class Coordinator:
         got = self.client.fetch(wanted)
         for i, sid in enumerate(ids):
             rep, meta = self.reports[sid], self.meta[sid]
-            if batch.locations[i] != rep["location"]:
-                self.fail(f"step {step}: sample {sid} location {batch.locations[i]} != reported {rep['location']}")
+            held = self.index.sample(sid).location           # the sample is live (training) during its step
+            if held != rep["location"]:
+                self.fail(f"step {step}: sample {sid} location {held} in the index != reported {rep['location']}")
             if sid not in got:
                 self.fail(f"step {step}: sample {sid} missing from the fetch from rank {rep['owner']}")
                 continue
@@ -510,12 +511,12 @@ class Coordinator:
                 continue
             if t.num_loss_tokens != n[i]:
                 self.fail(f"step {step}: sample {sid} holds {t.num_loss_tokens} loss tokens, index says {n[i]}")
-            if n[i] and (t.min_version, t.max_version) != (rep["min_version"], rep["max_version"]):
-                self.fail(f"step {step}: sample {sid} token versions {t.min_version}..{t.max_version}, "
+            if n[i] and t.version_span() != (rep["min_version"], rep["max_version"]):
+                self.fail(f"step {step}: sample {sid} token versions {t.version_span()}, "
                           f"reported {rep['min_version']}..{rep['max_version']}")
             self.stats["verified"] += 1
             self.stats["verified_tokens"] += len(t.tokens)
-            self.stats["trained_multi_version"] += t.min_version != t.max_version
+            self.stats["trained_multi_version"] += len(set(t.version_span())) > 1
             self.stats["trained_empty_response"] += t.response_len == 0
         self.stats["replay_samples_trained"] += replay
         time.sleep(self.args.train_s)       # the "optimizer step"
@@ -527,7 +528,7 @@ class Coordinator:
     def shutdown(self) -> None:
         for rank in self.producers:
             self.ctrl.send(rank, TAG_COMMAND, {"kind": "stop"})
-        rmpi.wait_for(lambda: (self.listen() or True) and len(self.byes) == len(self.producers),
+        rmpi.wait_until(lambda: (self.listen() or True) and len(self.byes) == len(self.producers),
                       timeout=self.args.timeout, rank=0, op="waiting for the producers' final reports",
                       peer=", ".join(str(r) for r in self.producers if r not in self.byes) or None,
                       backoff=rmpi.Backoff(1e-4, 2e-3))
@@ -668,6 +669,7 @@ def main() -> int:
         return 2
     data = world.Dup()                      # fetches (FetchServer / FetchClient)
     ctrl = Channel(world.Dup(), args.timeout)
+    service_comm = world.Dup()              # producers' service threads, as in the runtime
     code = 0
     try:
         if rank == 0:
@@ -681,7 +683,7 @@ def main() -> int:
             summary = coord.finish()
             code = 0 if summary["ok"] else 1
         else:
-            code = producer(args, data, ctrl)
+            code = producer(args, data, ctrl, service_comm)
             rmpi.barrier(world, timeout=args.timeout, op="final barrier")
     except BaseException:
         print(f"FAIL rank {rank} stopped:\n{traceback.format_exc()}", flush=True)

@@ -22,7 +22,9 @@ from storage_samples import make_sample, same, sample_id  # noqa: E402
 
 from reflow_hpc.config import StorageConfig  # noqa: E402
 from reflow_hpc.storage import SampleStore  # noqa: E402
-from reflow_hpc.storage.fetch import FetchClient, FetchError, FetchServer, serve  # noqa: E402
+from reflow_hpc.comm.channel import ControlChannel  # noqa: E402
+from reflow_hpc.runtime.service import ServiceThread  # noqa: E402
+from reflow_hpc.storage.fetch import FetchClient, FetchError, FetchServer  # noqa: E402
 
 
 def main() -> int:
@@ -33,6 +35,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
     comm = MPI.COMM_WORLD.Dup()
+    control = MPI.COMM_WORLD.Dup()          # the service thread's own communicator, as in the runtime
     rank, size = comm.Get_rank(), comm.Get_size()
     # A small memory cache and small segments: most fetched samples come back from closed shard
     # segments, some from the open one, some from memory.
@@ -42,9 +45,8 @@ def main() -> int:
     store.put(make_sample(args.seed, rank, i) for i in range(n - 3))
     store.put([make_sample(args.seed, rank, i) for i in range(n - 3, n)])   # still pending in the writer
     server = FetchServer(comm, store)
-    stop = threading.Event()
-    service = threading.Thread(target=serve, args=(server, stop), name="service",
-                               kwargs=dict(poll_min_s=1e-4, poll_max_s=5e-3, on_idle=store.maybe_flush))
+    service = ServiceThread(ControlChannel(control, poll_min_s=1e-4, poll_max_s=5e-3),
+                            pollers=[server.poll, store.maybe_flush])
     service.start()
     client = FetchClient(comm, args.timeout, store=store, poll_min_s=1e-4, poll_max_s=5e-3)
     failures: list[str] = []
@@ -96,7 +98,7 @@ def main() -> int:
                 print(f"rank {rank}: final barrier timed out after {args.timeout} s", flush=True)
                 comm.Abort(3)
             time.sleep(1e-3)
-        stop.set()
+        service.stop()
         service.join()
         store.close()
     for f in failures[:20]:

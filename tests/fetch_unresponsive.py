@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,7 +26,9 @@ from storage_samples import make_sample, same, sample_id  # noqa: E402
 
 from reflow_hpc.config import StorageConfig  # noqa: E402
 from reflow_hpc.storage import SampleStore  # noqa: E402
-from reflow_hpc.storage.fetch import FetchClient, FetchServer, FetchTimeout, serve  # noqa: E402
+from reflow_hpc.comm.channel import ControlChannel  # noqa: E402
+from reflow_hpc.runtime.service import ServiceThread  # noqa: E402
+from reflow_hpc.storage.fetch import FetchClient, FetchServer, FetchTimeout  # noqa: E402
 
 HANG_S = 300.0   # far beyond the test's patience: only MPI_Abort ends rank 3
 
@@ -43,11 +44,10 @@ def main() -> int:
     print(f"PID {rank} {os.getpid()}", flush=True)
     store = SampleStore(Path(args.dir) / f"rank{rank}", rank, StorageConfig(flush_rows=4))
     store.put(make_sample(1, rank, i) for i in range(10))
-    stop = threading.Event()
+    control = MPI.COMM_WORLD.Dup()          # the service thread's own communicator, as in the runtime
     if rank in (0, 1):
         server = FetchServer(comm, store)
-        threading.Thread(target=serve, args=(server, stop), daemon=True,
-                         kwargs=dict(poll_min_s=1e-4, poll_max_s=5e-3)).start()
+        ServiceThread(ControlChannel(control, poll_min_s=1e-4, poll_max_s=5e-3), pollers=[server.poll]).start()
     # Every owner holds its samples (and ranks 0-1 serve) before anyone fetches or stops answering:
     # otherwise a slow start of rank 1 would look like an unresponsive owner.
     comm.Barrier()

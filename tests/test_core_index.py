@@ -16,6 +16,7 @@ from reflow_hpc.core import (GAUGE_NAMES, TERMINAL_REASONS, AcceptAll, PoolSampl
                              ReplayIndex, RewardBand, build_index, group_advantages, loss_weights, make_replay_filter,
                              make_sampler, max_replay_slots, min_unused, mixing_weight, mixing_weight_bound,
                              register_replay_filter, register_sampler)
+from reflow_hpc.core.modes import ModeError
 from reflow_hpc.core.sample import ROW_FIELDS, SampleRecord
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,9 +232,8 @@ def test_group_advantages_formula():
 
 def test_group_becomes_ready_only_when_complete_with_a_failed_member():
     idx = make_index(group_size=4, batch_size=4, sigma=0.0)
-    g = idx.new_group(9)
+    g = idx.new_group(9, worker=2)
     a, b, c, d = g.sample_ids
-    idx.started(a, worker=2)
     for sid, r in ((a, 1.0), (b, 0.0), (c, 0.5)):
         idx.finished(sid, owner=2, reward=r, min_version=0, max_version=0, loss_tokens=4)
     assert idx.count("finished") == 3 and idx.count("ready") == 0
@@ -404,7 +404,6 @@ def test_b_max_smaller_than_group_is_rejected():
 def test_worker_lost_fails_generation_loses_payloads_and_training_after_step():
     idx = make_index(group_size=2, batch_size=2, sigma=0.5)
     g = idx.new_group(0, worker=[5, 6])
-    idx.started(g.sample_ids[0], worker=5)
     idx.finished(g.sample_ids[1], owner=6, reward=1.0, min_version=0, max_version=0, loss_tokens=1)
     g2 = idx.new_group(1)
     for sid in g2.sample_ids:
@@ -469,7 +468,7 @@ def drive(idx: ReplayIndex, seed: int, events: int) -> list:
     batches: list = []
     for t in range(events):
         now = float(t)
-        gen = sorted(s for s in idx.live_ids() if idx.sample(s).state in ("pending", "running"))
+        gen = sorted(s for s in idx.live_ids() if idx.sample(s).state == "pending")
         x = rng.random()
         if x < 0.25 and idx.can_dispatch_group():
             log.append(("g", idx.new_group(rng.randrange(100), now=now).sample_ids))
@@ -511,8 +510,7 @@ def test_restore_with_resume_aborts_in_flight_and_returns_training_samples():
     a = make_index(group_size=2, batch_size=2, sigma=0.5, b_max=6)
     ids = finish_group(a, (0.0, 1.0))
     batch = a.compose_batch()
-    g = a.new_group(0)
-    a.started(g.sample_ids[0], worker=1)
+    g = a.new_group(0, worker=1)
     state = json.loads(json.dumps(a.state_dict()))
     b = make_index(group_size=2, batch_size=2, sigma=0.5, b_max=6)
     rel = b.load_state_dict(state)                            # resume=True
@@ -570,9 +568,11 @@ def test_restart_with_smaller_delta_evicts_at_load():
 # ------------------------------------------------------------------------------------------------
 
 def test_build_index_from_config_modes():
-    idx = build_index(ReflowConfig(mode="fully_async", sigma=0.5, b_max=0, sampler="medium_reward",
+    idx = build_index(ReflowConfig(mode="fully_async", sigma=0.0, b_max=0, sampler="medium_reward",
                                    reward_low=0.1, reward_high=0.9), group_size=4, batch_size=16, seed=3)
     assert idx.sigma == 0.0 and idx.b_max == 16 and idx.sampler.reward_low == 0.1
+    with pytest.raises(ModeError, match="reflow.sigma = 0.5: mode fully_async trains every sample once"):
+        build_index(ReflowConfig(mode="fully_async", sigma=0.5), group_size=4, batch_size=16, seed=3)
     idx = build_index(ReflowConfig(sigma=0.25, tau=0.3, delta=2, b_max=40, replay_filter="reward_band"),
                       group_size=4, batch_size=16, seed=3)
     assert (idx.sigma, idx.tau, idx.delta, idx.b_max) == (0.25, 0.3, 2, 40)

@@ -8,7 +8,7 @@ losses, lost workers, checkpoint round trips and restarts, and checks after ever
   α ≤ τσ/(1-σ+τσ);
 - right after a bump no finished/ready/replay sample is staler than δ (check_invariants);
 - every sample ends at most once, with one reason, and created == live + Σ terminal;
-- outstanding (pending + running) never exceeds b_max.
+- outstanding (pending) never exceeds b_max.
 
 A seeded random workload (longer runs where batches do mix in replay samples) checks the same
 batch properties; the pure functions get their own properties.
@@ -111,18 +111,12 @@ class IndexMachine(RuleBasedStateMachine):
                     self.idx.new_group(prompt)
             assert self.idx.outstanding <= self.idx.b_max
 
-    @rule(data=st.data(), worker=st.integers(0, 3))
-    def start(self, data, worker):
-        ids = self.ids_in("pending", "running")
-        if ids:
-            self.idx.started(data.draw(st.sampled_from(ids)), worker=worker)
-
     @rule(data=st.data(), finishes=st.lists(st.tuples(
         REWARDS, st.sampled_from([0, 0, 0, 1, 2, 4]), st.integers(0, 40), st.integers(0, 3),
         st.sampled_from([1.0, 1.0, 0.5, 2.0])), min_size=1, max_size=8))
     def finish(self, data, finishes):
         for reward, lag, tokens, owner, base_weight in finishes:
-            ids = self.ids_in("pending", "running")
+            ids = self.ids_in("pending")
             if not ids:
                 return
             sid = data.draw(st.sampled_from(ids))
@@ -141,7 +135,7 @@ class IndexMachine(RuleBasedStateMachine):
         for _ in range(groups):
             if self.idx.can_dispatch_group():
                 self.created.update(self.idx.new_group(0, now=self.tick()).sample_ids)
-        for i, sid in enumerate(self.ids_in("pending", "running")):
+        for i, sid in enumerate(self.ids_in("pending")):
             reward, lag, tokens = params[i % len(params)]
             v = self.idx.version
             self.record(self.idx.finished(sid, owner=i % 4, reward=reward, min_version=max(0, v - lag),
@@ -151,7 +145,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), go=st.integers(0, RARE))
     def fail(self, data, go):
-        ids = self.ids_in("pending", "running")
+        ids = self.ids_in("pending")
         if ids and go == 0:
             self.record(self.idx.failed(data.draw(st.sampled_from(ids))))
 
@@ -233,7 +227,7 @@ class IndexMachine(RuleBasedStateMachine):
                                replay_filter=fresh_filter(self.names[1]))
         released = {r.sample_id: r.reason for r in self.idx.load_state_dict(state, resume=True)}
         for sid, rec in before.items():
-            if rec.state in ("pending", "running"):
+            if rec.state == "pending":
                 assert sid not in self.idx
                 self.ended[sid] = "aborted"
             elif rec.state == "training":
@@ -321,7 +315,7 @@ def test_random_workload(seed, group_size, batch_size, sigma, tau, delta, sample
             while idx.can_dispatch_group():
                 created.update(idx.new_group(t, now=t).sample_ids)
         elif x < 0.6:
-            gen = [s for s in idx.live_ids() if idx.sample(s).state in ("pending", "running")]
+            gen = [s for s in idx.live_ids() if idx.sample(s).state == "pending"]
             for sid in rng.sample(gen, min(len(gen), 3)):
                 if rng.random() < 0.03:
                     record(idx.failed(sid))

@@ -15,7 +15,7 @@ from train_common import loss_tokens, make_batch, make_config, max_param_diff, t
 
 from reflow_hpc.rollout.engine import Request, SamplingParams
 from reflow_hpc.rollout.torch_engine import TorchEngine
-from reflow_hpc.train.trainer import TrainItem, Trainer
+from reflow_hpc.train.trainer import WeightedSample, Trainer
 from reflow_hpc.trajectory import Trajectory
 
 METRICS = {"loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio/mean", "ratio/max", "approx_kl",
@@ -85,13 +85,13 @@ def test_bad_inputs_fail_with_one_clear_line():
     bad = Trajectory(99, 0, 0, t.tokens, t.logprobs, np.where(np.arange(len(t.tokens)) == 0, 1, t.versions),
                      t.prompt_len)
     with pytest.raises(ValueError, match="sample 99: its first token is marked generated"):
-        tr.train_step([TrainItem(bad, 1.0, 1.0)], 10)
+        tr.train_step([WeightedSample(bad, 1.0, 1.0)], 10)
     big = Trajectory(98, 0, 0, np.append(t.tokens, 10_000), np.append(t.logprobs, 0), np.append(t.versions, 0),
                      t.prompt_len)
     with pytest.raises(ValueError, match="sample 98: token ids outside the vocabulary"):
-        tr.train_step([TrainItem(big, 1.0, 1.0)], 10)
+        tr.train_step([WeightedSample(big, 1.0, 1.0)], 10)
     with pytest.raises(ValueError, match="sample .*: advantage nan"):
-        tr.train_step([TrainItem(t, float("nan"), 1.0)], t.num_loss_tokens)
+        tr.train_step([WeightedSample(t, float("nan"), 1.0)], t.num_loss_tokens)
     cfg.algorithm.kl_coef = 0.1
     with pytest.raises(ValueError, match="algorithm.kl_coef = 0.1: a reference model is needed"):
         Trainer(tiny_model(0), cfg, "cpu")
@@ -101,7 +101,7 @@ def test_nonfinite_gradient_skips_the_update():
     cfg = make_config()
     model = tiny_model(0)
     items = make_batch(model, cfg, seed=4)
-    items = [TrainItem(it.trajectory, 3e38, it.weight, it.is_replay) for it in items]
+    items = [WeightedSample(it.trajectory, 3e38, it.weight, it.is_replay) for it in items]
     tr = Trainer(model, cfg, "cpu")
     before = copy.deepcopy(model)
     m = tr.train_step(items, loss_tokens(items))
@@ -164,7 +164,7 @@ def test_recomputed_logprobs_match_the_rollout_engine():
         traj = Trajectory(c.request_id, 0, 0, np.concatenate([c.prompt, c.response]),
                           np.concatenate([np.zeros(p, np.float32), c.logprobs]),
                           np.concatenate([np.full(p, -1, np.int32), c.versions]), p)
-        items.append(TrainItem(traj, 1.0 if c.request_id % 2 else -1.0, 1.0))
+        items.append(WeightedSample(traj, 1.0 if c.request_id % 2 else -1.0, 1.0))
     tr = Trainer(trainer_model, cfg, "cpu")
     m = tr.train_step(items, loss_tokens(items))
     assert m["loss_tokens"] == sum(len(c.response) for c in done)

@@ -18,7 +18,7 @@ from reflow_hpc.config import Config
 from reflow_hpc.core.advantages import group_advantages
 from reflow_hpc.core.mixing import loss_weights
 from reflow_hpc.train.loss import token_logprobs
-from reflow_hpc.train.trainer import TrainItem
+from reflow_hpc.train.trainer import WeightedSample
 from reflow_hpc.trajectory import Trajectory
 
 VOCAB = 96
@@ -54,7 +54,7 @@ def make_config(**trainer) -> Config:
 
 
 def make_batch(model, cfg: Config, *, seed: int, groups: int = 2, group_size: int = 4, replay: int = 2,
-               tau: float = 0.5, noise: float = 0.15) -> list[TrainItem]:
+               tau: float = 0.5, noise: float = 0.15) -> list[WeightedSample]:
     """``groups × group_size`` samples, the last ``replay`` of them replayed."""
     rng = np.random.default_rng(seed)
     trajs, advantages = [], []
@@ -78,7 +78,7 @@ def make_batch(model, cfg: Config, *, seed: int, groups: int = 2, group_size: in
     set_behaviour_logprobs(model, trajs, cfg.rollout.temperature, noise, rng)
     is_replay = [i >= len(trajs) - replay for i in range(len(trajs))]
     weights = loss_weights(is_replay, [t.num_loss_tokens for t in trajs], tau)
-    return [TrainItem(t, a, w, r) for t, a, w, r in zip(trajs, advantages, weights, is_replay)]
+    return [WeightedSample(t, a, w, r) for t, a, w, r in zip(trajs, advantages, weights, is_replay)]
 
 
 def set_behaviour_logprobs(model, trajs, temperature: float, noise: float, rng) -> None:

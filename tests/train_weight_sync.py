@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reflow_hpc.runtime import mpi  # noqa: E402
+from reflow_hpc.comm import mpi  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from reflow_hpc.rollout.torch_engine import TorchEngine
-    from reflow_hpc.runtime.dist import CollectiveError, init_process_group
+    from reflow_hpc.comm.dist import CollectiveError, init_process_group
     from reflow_hpc.train.trainer import Trainer
     from reflow_hpc.train.weight_sync import WeightSync, WeightSyncMismatch
     from train_common import loss_tokens, make_batch, make_config, params_digest, tiny_model

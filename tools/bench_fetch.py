@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
     from reflow_hpc.config import StorageConfig
     from reflow_hpc.storage import SampleStore
-    from reflow_hpc.storage.fetch import FetchClient, FetchServer, serve
+    from reflow_hpc.comm.channel import ControlChannel
+    from reflow_hpc.runtime.service import ServiceThread
+    from reflow_hpc.storage.fetch import FetchClient, FetchServer
 
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -105,9 +106,8 @@ def run(args: argparse.Namespace) -> int:
     store.put(trajs)
     store.flush()
     server = FetchServer(comm, store)
-    stop = threading.Event()
-    service = threading.Thread(target=serve, args=(server, stop), name="service", daemon=True,
-                               kwargs=dict(poll_min_s=1e-4, poll_max_s=1e-3))
+    service = ServiceThread(ControlChannel(MPI.COMM_WORLD.Dup(), poll_min_s=1e-4, poll_max_s=1e-3),
+                            pollers=[server.poll])
     service.start()
     client = FetchClient(comm, args.timeout, store=store, poll_min_s=1e-5, poll_max_s=1e-3)
 
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         raw_s.append(timed(raw_phase))
         fetch_s.append(timed(fetch_phase))
     total_received = comm.allreduce(received[0], op=MPI.SUM)
-    stop.set()
+    service.stop()
     service.join()
     store.close()
     shutil.rmtree(scratch, ignore_errors=True)

@@ -1,5 +1,7 @@
 """The coordinator's sans-IO logic (DESIGN §4): pure state machines driven by the MPI runtime and by
-the simulator. Nothing here performs I/O or reads a clock. Start with :mod:`reflow_hpc.core.index`."""
+the simulator. Nothing here performs I/O or reads a clock. Start with :mod:`reflow_hpc.core.coordinator`
+(every decision of a run), then :mod:`reflow_hpc.core.index` (the replay-buffer rules) and
+:mod:`reflow_hpc.core.modes` (what each mode guarantees)."""
 
 from reflow_hpc.core.advantages import group_advantages
 from reflow_hpc.core.filters import (AcceptAll, ReplayFilter, RewardBand, make_replay_filter,

@@ -1,4 +1,5 @@
-"""Commands the pipeline emits; drivers (MPI runtime, simulator) carry them out.
+"""Commands the coordinator emits (:mod:`reflow_hpc.core.coordinator`); drivers (the MPI runtime, the
+simulator) carry them out.
 
 Every command names the worker it is for. The MPI driver turns each into one control message; the
 simulator into an event of its cost model. None of them carries payload arrays.
@@ -7,7 +8,17 @@ simulator into an event of its cost model. None of them carries payload arrays.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Build what your role needs: the pools, where the weights come from; answer ready."""
+    worker: int
+    trainers: tuple[int, ...]
+    rollouts: tuple[int, ...]
+    colocated: bool                 # every worker generates and trains (sync mode)
+    version: int                    # policy version of the weights below
+    resume_from: str | None         # checkpoint directory, or None for a fresh start
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,11 +36,10 @@ class Dispatch:
 
 
 @dataclass(frozen=True, slots=True)
-class TrainItem:
+class TrainSample:
     """One sample of a trainer replica's share of the batch."""
     sample_id: int
     owner: int           # rank to fetch the payload from
-    location: Any        # where the owner stored it
     advantage: float
     weight: float        # w̃_i, normalised over the whole batch
     is_replay: bool
@@ -42,7 +52,7 @@ class Train:
     worker: int
     step: int
     version: int
-    items: tuple[TrainItem, ...]
+    samples: tuple[TrainSample, ...]
     batch_loss_tokens: int   # Σ n_j over the whole batch: every replica normalises by it
     replica: int
     replicas: int
@@ -74,8 +84,18 @@ class Cancel:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Flush shards and report the manifest; the first trainer also saves model and optimizer."""
+    """Phase 1 of a checkpoint: flush your shards and report the manifest."""
     worker: int
     step: int
     tag: str             # directory name, e.g. "step_000010"
-    save_trainer: bool
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint:
+    """Phase 2, to the writer once every other worker flushed: flush your shards too, then write the
+    checkpoint with the model, the optimizer, ``state`` (the coordinator's) and every manifest."""
+    worker: int
+    step: int
+    tag: str
+    state: dict
+    manifests: dict[str, dict]      # rank (as text, a JSON key) -> its shard manifest

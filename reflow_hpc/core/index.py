@@ -8,8 +8,9 @@ the same events give the same batches.
 Vocabulary
 ----------
 version ``v``
-    The policy version the trainer has published: 0 at the start, +1 at every sync
-    (:meth:`ReplayIndex.bump_version`).
+    The trainer's policy version: the number of optimizer steps in its weights, 0 at the start, +1
+    when a step ends (:meth:`ReplayIndex.bump_version`). Rollout workers generate with the version
+    the last sync published, so staleness counts optimizer steps (:mod:`reflow_hpc.core.modes`).
 staleness of a sample
     ``v - min(token versions)``. A partial rollout gives one sample tokens of several versions; the
     finished event carries the smallest and the largest.
@@ -20,10 +21,10 @@ Lifecycle
 ---------
 ::
 
-    new_group ──> pending ──started──> running ──finished──> finished ──group complete──> ready
-                                                                                            │ compose_batch
-                     replay <──step_done, σ > 0, filter accepts, staleness ≤ δ── training <─┘
-                        └──────────────────────── compose_batch ────────────────────^
+    new_group ──> pending ──finished──> finished ──group complete──> ready
+                                                                        │ compose_batch
+      replay <──step_done, σ > 0, filter accepts, staleness ≤ δ── training <─┘
+         └──────────────────────── compose_batch ────────────────────^
 
 A sample that leaves the index ends in exactly one terminal state, each with a counter:
 ``trained`` (trained on, replay disabled: σ = 0), ``filtered`` (trained on, the replay filter
@@ -60,7 +61,7 @@ After a step (:meth:`~ReplayIndex.step_done`).
     lost → ``lost``; σ = 0 → ``trained``; staleness > δ → ``evicted_stale``; filter declines →
     ``filtered``; else → ``replay``.
 b_max — dispatch budget.
-    Outstanding samples (pending + running) never exceed ``b_max``, and one step dispatches at most
+    Outstanding (pending) samples never exceed ``b_max``, and one step dispatches at most
     ``b_max`` samples: a dispatch window opens with budget ``b_max - outstanding`` when a batch is
     composed (the trainer starts a step) and each dispatched sample spends one. Groups are
     dispatched whole — a group of n needs n budget; a remainder smaller than n is not carried over —
@@ -73,7 +74,7 @@ Checkpoints
 :meth:`~ReplayIndex.state_dict` is plain JSON-able data (RNG state, sampler state and the order of
 the ready queue included); :meth:`~ReplayIndex.from_state_dict` / :meth:`~ReplayIndex.load_state_dict`
 rebuild an index that behaves identically. With ``resume=True`` (a restart) samples that were
-pending or running at checkpoint time end as ``aborted`` — their generation state died with the old
+pending at checkpoint time end as ``aborted`` — their generation state died with the old
 processes — which may complete their groups; samples that were in ``training`` go back to where they
 came from (ready or replay), since a checkpoint taken mid-step holds no finished step for them.
 Afterwards :meth:`~ReplayIndex.recover` takes, in one call and before any new group, the finished
@@ -99,15 +100,15 @@ from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 from reflow_hpc.core.advantages import group_advantages
 from reflow_hpc.core.filters import ReplayFilter, make_replay_filter
 from reflow_hpc.core.mixing import loss_weights, max_replay_slots, mixing_weight
-from reflow_hpc.core.sample import (ABORTED, EVICTED_STALE, FAILED, FILTERED, FINISHED, GENERATING,
-                                    LIVE_STATES, LOST, PENDING, POOLED, READY, REPLAY, RUNNING,
-                                    TERMINAL_REASONS, TRAINED, TRAINING, SampleRecord)
+from reflow_hpc.core.modes import check
+from reflow_hpc.core.sample import (ABORTED, EVICTED_STALE, FAILED, FILTERED, FINISHED, GENERATING, LIVE_STATES, LOST,
+                                    PENDING, POOLED, READY, REPLAY, TERMINAL_REASONS, TRAINED, TRAINING, SampleRecord)
 from reflow_hpc.core.samplers import Sampler, make_sampler
 
 STATE_FORMAT = 1
 
 # Stable metric names (DESIGN §10): gauges() returns exactly these keys.
-GAUGE_NAMES = (tuple(f"buffer/{s}" for s in (READY, REPLAY, TRAINING, PENDING, RUNNING, FINISHED))
+GAUGE_NAMES = (tuple(f"buffer/{s}" for s in (READY, REPLAY, TRAINING, PENDING, FINISHED))
                + tuple(f"buffer/{r}" for r in TERMINAL_REASONS)
                + ("buffer/evicted_unused", "buffer/created", "dispatch/budget", "step", "version"))
 
@@ -140,7 +141,6 @@ class Batch:
     version: int                    # policy version when the batch was composed
     sample_ids: tuple[int, ...]
     owners: tuple[int, ...]         # rank to fetch each payload from
-    locations: tuple[Any, ...]      # where the owner stored it (as reported at finish)
     is_replay: tuple[bool, ...]
     advantages: tuple[float, ...]
     loss_weights: tuple[float, ...]  # normalised w̃_i
@@ -252,8 +252,8 @@ class ReplayIndex:
 
     @property
     def outstanding(self) -> int:
-        """Samples dispatched and not finished: pending + running."""
-        return self._count[PENDING] + self._count[RUNNING]
+        """Samples dispatched and not finished (pending)."""
+        return self._count[PENDING]
 
     @property
     def dispatch_budget(self) -> int:
@@ -305,7 +305,7 @@ class ReplayIndex:
 
     def gauges(self) -> dict[str, int]:
         """Metrics under the stable names of GAUGE_NAMES."""
-        g = {f"buffer/{s}": self._count[s] for s in (READY, REPLAY, TRAINING, PENDING, RUNNING, FINISHED)}
+        g = {f"buffer/{s}": self._count[s] for s in (READY, REPLAY, TRAINING, PENDING, FINISHED)}
         g.update({f"buffer/{r}": n for r, n in self._terminal.items()})
         g["buffer/evicted_unused"] = self._evicted_unused
         g["buffer/created"] = self._created
@@ -321,8 +321,8 @@ class ReplayIndex:
     def new_group(self, prompt_id: int, *, now: float = 0.0, worker: int | Sequence[int] | None = None) -> Group:
         """Dispatch one prompt: create its n samples in ``pending``; spends n of the budget.
 
-        ``worker`` is the rank generating all of them, one rank per sample, or None when the
-        dispatcher assigns them later (:meth:`started`).
+        ``worker`` is the rank generating all of them, one rank per sample, or None when not known
+        (a driver that never loses workers).
         """
         n = self.group_size
         budget = self.dispatch_budget
@@ -352,21 +352,6 @@ class ReplayIndex:
         self._budget = budget - n
         self._recover_open = False
         return Group(gid, prompt_id, ids)
-
-    def started(self, sample_id: int, *, worker: int, now: float = 0.0) -> None:
-        """The worker began generating ``sample_id`` (optional; also records a changed worker).
-        ``now`` is taken like on every event; the index keeps no start time."""
-        rec = self._live(sample_id, GENERATING, "started")
-        if rec.worker != worker:
-            if rec.worker >= 0:
-                self._rank_discard(rec.worker, sample_id)
-            if worker >= 0:
-                self._rank_add(worker, sample_id)
-            rec.worker = int(worker)
-        if rec.state == PENDING:
-            rec.state = RUNNING
-            self._count[PENDING] -= 1
-            self._count[RUNNING] += 1
 
     def finished(self, sample_id: int, *, owner: int, reward: float, min_version: int, max_version: int,
                  loss_tokens: int, now: float = 0.0, location: Any = None,
@@ -484,7 +469,6 @@ class ReplayIndex:
             step=self._step, version=version,
             sample_ids=tuple(rec.sample_id for rec in recs),
             owners=tuple(rec.owner for rec in recs),
-            locations=tuple(rec.location for rec in recs),
             is_replay=is_replay,
             advantages=tuple(rec.advantage for rec in recs),
             loss_weights=tuple(loss_weights(is_replay, tokens, self.tau, [rec.base_weight for rec in recs])),
@@ -531,7 +515,7 @@ class ReplayIndex:
         return out
 
     def bump_version(self) -> list[Release]:
-        """The trainer published version v+1 (a sync): evict pooled samples staler than δ."""
+        """The trainer's weights are now version v+1 (a step ended): evict pooled samples staler than δ."""
         self._version += 1
         out: list[Release] = []
         self._evict_stale(out)
@@ -592,7 +576,7 @@ class ReplayIndex:
         """Load a checkpoint into this fresh index; its own parameters (σ, τ, δ, b, b_max, sampler,
         filter) stay, so a restart may change them. The RNG continues from the checkpoint.
 
-        resume=True: samples pending or running at checkpoint time end as ``aborted``; samples in
+        resume=True: samples pending at checkpoint time end as ``aborted``; samples in
         ``training`` return to ``ready`` (front of their queue) or ``replay``; the dispatch window
         reopens with the full ``b_max``. resume=False: an exact copy (same future behaviour).
         Returns the releases of the samples that ended while loading (those, and samples staler
@@ -747,7 +731,7 @@ class ReplayIndex:
             rank = rec.worker if rec.state in GENERATING else rec.owner
             if rank >= 0 and sid not in self._by_rank.get(rank, ()) and not rec.owner_lost:
                 fail(f"sample {sid}: missing from rank {rank}")
-            if rec.state in (PENDING, RUNNING, FINISHED) and rec.group_id not in self._groups:
+            if rec.state in (PENDING, FINISHED) and rec.group_id not in self._groups:
                 fail(f"sample {sid} ({rec.state}): its group {rec.group_id} is not open")
             if rec.state in (READY, TRAINING, REPLAY) and rec.group_id in self._groups:
                 fail(f"sample {sid} ({rec.state}): its group {rec.group_id} is still open")
@@ -954,13 +938,16 @@ def build_index(reflow: Any, *, group_size: int, batch_size: int, seed: int, adv
     """The index, sampler and replay filter that a ``[reflow]`` config section describes.
 
     ``reflow`` is read by attribute (mode, sigma, tau, delta, b_max, sampler, replay_filter,
-    reward_low, reward_high). ``b_max = 0`` means ``batch_size``. Only ``mode = "reflow"`` replays:
-    the baselines (sync, one_step_off, fully_async) run with σ = 0.
+    reward_low, reward_high). ``b_max = 0`` means ``batch_size``. The settings are checked against
+    the mode's rules (:func:`reflow_hpc.core.modes.check`): a baseline given σ > 0 is refused, not
+    run with σ = 0.
     """
-    sigma = reflow.sigma if getattr(reflow, "mode", "reflow") == "reflow" else 0.0
+    b_max = reflow.b_max or batch_size
+    check(reflow.mode, sigma=reflow.sigma, delta=reflow.delta, b_max=b_max, batch_size=batch_size,
+          sync_every=reflow.sync_every)
     return ReplayIndex(
-        group_size=group_size, batch_size=batch_size, sigma=sigma, tau=reflow.tau, delta=reflow.delta,
-        b_max=reflow.b_max or batch_size,
+        group_size=group_size, batch_size=batch_size, sigma=reflow.sigma, tau=reflow.tau, delta=reflow.delta,
+        b_max=b_max,
         sampler=make_sampler(reflow.sampler, reflow),
         replay_filter=make_replay_filter(reflow.replay_filter, reflow),
         seed=seed, adv_eps=adv_eps, adv_std_norm=adv_std_norm,

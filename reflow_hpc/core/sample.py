@@ -10,13 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 # Live states, in lifecycle order.
-PENDING = "pending"        # created and dispatched to a rollout worker, not finished
-RUNNING = "running"        # the worker reported that generation started
+PENDING = "pending"        # dispatched to a rollout worker (queued there or generating), not finished
 FINISHED = "finished"      # payload exists on its owner; the group is not complete yet
 READY = "ready"            # trainable and never trained on: an unused sample
 TRAINING = "training"      # selected into a batch that is being trained on
 REPLAY = "replay"          # trained on and reinserted by the replay filter: trainable again
-LIVE_STATES = (PENDING, RUNNING, FINISHED, READY, TRAINING, REPLAY)
+LIVE_STATES = (PENDING, FINISHED, READY, TRAINING, REPLAY)
 
 # Terminal reasons: every sample that leaves the index leaves with exactly one of them.
 TRAINED = "trained"                # trained on; not reinserted because replay is disabled (σ = 0)
@@ -27,7 +26,7 @@ FAILED = "failed"                  # generation failed or the generating worker 
 LOST = "lost"                      # the payload cannot be read back (owner lost, shard damaged)
 TERMINAL_REASONS = (TRAINED, FILTERED, EVICTED_STALE, ABORTED, FAILED, LOST)
 
-GENERATING = frozenset((PENDING, RUNNING))          # no payload yet; held by `worker`
+GENERATING = frozenset((PENDING,))                 # no payload yet; held by `worker`
 POOLED = frozenset((FINISHED, READY, REPLAY))       # subject to staleness eviction at a version bump
 
 
@@ -39,7 +38,7 @@ class SampleRecord:
     group_id: int
     prompt_id: int
     state: str = PENDING
-    worker: int = -1            # rank generating it while pending/running (-1: not known yet)
+    worker: int = -1            # rank generating it while pending (-1: not known)
     owner: int = -1             # rank whose memory/shard holds the payload once finished
     reward: float = 0.0
     min_version: int = -1       # oldest policy version among its generated tokens
@@ -48,7 +47,7 @@ class SampleRecord:
     base_weight: float = 1.0    # ω_j before the replay factor τ and the normalisation
     advantage: float = 0.0      # group-normalised, set when the group completes; kept on replay
     times_used: int = 0         # optimizer steps that trained on it
-    location: Any = None        # where the owner stored the payload (JSON-able, e.g. [segment, row])
+    location: Any = None        # where the owner stored the payload: [shard segment, row] (JSON-able)
     created_at: float = 0.0     # `now` of the dispatch
     finished_at: float = 0.0    # `now` of the finished event
     finish_seq: int = -1        # completion order (ties between equal min versions)
@@ -67,6 +66,8 @@ class SampleRecord:
 
     @classmethod
     def from_row(cls, row: list) -> "SampleRecord":
+        if len(row) == len(ROW_FIELDS) and row[3] == "running":
+            row = [*row[:3], PENDING, *row[4:]]    # checkpoints from before `running` was folded into `pending`
         if len(row) != len(ROW_FIELDS):
             raise ValueError(f"sample row has {len(row)} fields, expected {len(ROW_FIELDS)} ({', '.join(ROW_FIELDS)})")
         return cls(*row)

@@ -71,6 +71,36 @@ class EngineStats:
     version: int = 0
 
 
+class LimitError(ValueError):
+    """A ``[rollout]`` limit an engine cannot work with; names the key, the value and the rule."""
+
+    def __init__(self, key: str, value: object, why: str):
+        self.key, self.value, self.why = key, value, why
+        super().__init__(f"{key} = {value!r}: {why}")
+
+
+def check_limits(*, max_concurrency: int, kv_budget_tokens: int, max_model_len: int, max_prefill_tokens: int,
+                 max_positions: int | None = None) -> int:
+    """The rules of the ``[rollout]`` limits, shared by the config check (``max_positions`` unknown
+    there) and the engines (which know their model's). Returns the effective max_model_len (0 means
+    the model's length, capped at the KV budget); raises :class:`LimitError`."""
+    if max_concurrency < 1:
+        raise LimitError("rollout.max_concurrency", max_concurrency, "must be ≥ 1")
+    if max_prefill_tokens < 1:
+        raise LimitError("rollout.max_prefill_tokens", max_prefill_tokens, "must be ≥ 1")
+    if max_model_len == 1:
+        raise LimitError("rollout.max_model_len", 1, "must be 0 (the model's length) or ≥ 2")
+    if max_model_len > kv_budget_tokens:
+        raise LimitError("rollout.max_model_len", max_model_len,
+                         f"must be ≤ rollout.kv_budget_tokens ({kv_budget_tokens}) so that one request always fits")
+    if max_model_len == 0 and max_positions is not None:
+        max_model_len = min(max_positions, kv_budget_tokens)
+    if max_positions is not None and max_model_len > max_positions:
+        raise LimitError("rollout.max_model_len", max_model_len,
+                         f"must be ≤ the model's max_position_embeddings ({max_positions})")
+    return max_model_len
+
+
 @runtime_checkable
 class Engine(Protocol):
     version: int

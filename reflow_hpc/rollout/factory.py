@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from ..config import Config, ConfigError, RolloutConfig, validator
-from .engine import Engine, SamplingParams
+from .engine import Engine, LimitError, SamplingParams, check_limits
 
 
 @validator
 def _check_rollout(cfg: Config) -> None:
     r = cfg.rollout
-    if r.max_model_len == 1:
-        raise ConfigError("rollout.max_model_len", 1, "must be 0 (the model's length) or ≥ 2")
-    if r.max_model_len > r.kv_budget_tokens:
-        raise ConfigError("rollout.max_model_len", r.max_model_len,
-                          f"must be ≤ rollout.kv_budget_tokens ({r.kv_budget_tokens}) so that one request always fits")
+    try:
+        check_limits(max_concurrency=r.max_concurrency, kv_budget_tokens=r.kv_budget_tokens,
+                     max_model_len=r.max_model_len, max_prefill_tokens=r.max_prefill_tokens)
+    except LimitError as e:
+        raise ConfigError(e.key, e.value, e.why) from None
 
 
 def build_engine(model, cfg: RolloutConfig, *, device: str = "cpu", seed: int = 0, version: int = 0) -> Engine:

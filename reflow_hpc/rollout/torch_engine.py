@@ -53,7 +53,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-from .engine import Completion, EngineStats, Request, SamplingParams
+from .engine import Completion, EngineStats, Request, SamplingParams, check_limits
 from .kv_cache import SlotKVCache
 from .qwen3_forward import Qwen3Weights, RopeTable, check_supported, decode, prefill
 from .sampling import sample, stream_key, uniforms
@@ -85,21 +85,9 @@ class TorchEngine:
     def __init__(self, model, *, max_concurrency: int = 32, kv_budget_tokens: int = 16384,
                  max_model_len: int = 0, max_prefill_tokens: int = 4096, seed: int = 0, version: int = 0):
         check_supported(model.config)
-        max_pos = model.config.max_position_embeddings
-        if max_concurrency < 1:
-            raise ValueError(f"rollout.max_concurrency = {max_concurrency}: must be ≥ 1")
-        if max_model_len == 0:
-            max_model_len = min(max_pos, kv_budget_tokens)
-        if max_model_len < 2:
-            raise ValueError(f"rollout.max_model_len = {max_model_len}: must be ≥ 2")
-        if max_model_len > kv_budget_tokens:
-            raise ValueError(f"rollout.max_model_len = {max_model_len}: must be ≤ rollout.kv_budget_tokens "
-                             f"({kv_budget_tokens}) so that one request always fits the KV budget")
-        if max_model_len > max_pos:
-            raise ValueError(f"rollout.max_model_len = {max_model_len}: must be ≤ the model's "
-                             f"max_position_embeddings ({max_pos})")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"rollout.max_prefill_tokens = {max_prefill_tokens}: must be ≥ 1")
+        max_model_len = check_limits(max_concurrency=max_concurrency, kv_budget_tokens=kv_budget_tokens,
+                                     max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
+                                     max_positions=model.config.max_position_embeddings)
         self.model = model.eval()
         self.version = int(version)
         self.seed = int(seed)

@@ -14,14 +14,20 @@ import socket
 import time
 from typing import Any, Callable
 
+from ..comm.channel import ControlChannel
+from ..comm.failure import failpoint, fatal
+from ..comm.mpi import RankTimeout, barrier, init
 from ..config import Config, ConfigError
-from .channel import ControlChannel
-from .coordinator import CoordinatorLogic, CoordinatorThread
-from .failure import failpoint, fatal
+from ..core.coordinator import Unresponsive
+from .coordinator import CoordinatorSide, CoordinatorThread
 from .messages import TAG_COORDINATOR, Failure, Hello, Stop, Welcome
-from .mpi import RankTimeout, barrier, init
 from .service import ServiceThread
 from .topology import Topology, check_world_size, node_name, scratch_dir, visible_devices
+
+# The coordinator bounds the handshake by run.timeout_s and names a missing rank; a worker waits
+# this many times as long for its welcome, so that the coordinator's message, not the worker's,
+# ends the job.
+WELCOME_WAIT_FACTOR = 2
 
 
 def pick_device(cfg: Config, local_rank: int) -> str:
@@ -39,7 +45,7 @@ def pick_device(cfg: Config, local_rank: int) -> str:
 class Runtime:
     """Everything a worker's main thread uses to talk to the rest of the job."""
 
-    def __init__(self, cfg: Config, logic_factory: Callable[[], CoordinatorLogic] | None):
+    def __init__(self, cfg: Config, side_factory: Callable[[], CoordinatorSide] | None):
         self.cfg = cfg
         self.MPI = init()
         self.world = self.MPI.COMM_WORLD
@@ -53,9 +59,9 @@ class Runtime:
         self.service = ServiceThread(self.control, on_fatal=self.fail)
         self.coordinator: CoordinatorThread | None = None
         if self.rank == 0:
-            assert logic_factory is not None
-            self.coordinator = CoordinatorThread(self.control, logic_factory(), timeout_s=cfg.run.timeout_s,
-                                                 on_fatal=self._coordinator_failed)
+            assert side_factory is not None
+            self.coordinator = CoordinatorThread(self.control, side_factory(), timeout_s=cfg.run.timeout_s,
+                                                 heartbeat_s=cfg.run.heartbeat_s, on_fatal=self._coordinator_failed)
         self.data_comm: Any = None
         self.topology: Topology | None = None
         self.handshake_rtt_s = 0.0
@@ -73,9 +79,8 @@ class Runtime:
         t0 = time.time()
         self.control.send(0, Hello(self.rank, node_name(), socket.gethostname(), os.getpid(), str(scratch),
                                    visible_devices(), t0), TAG_COORDINATOR)
-        # The coordinator bounds the handshake and names a missing rank; waiting twice as long here
-        # lets its message, not this rank's, end the job.
-        welcome = self.service.next_command(2 * self.cfg.run.timeout_s, "handshake (waiting for welcome)")
+        welcome = self.service.next_command(WELCOME_WAIT_FACTOR * self.cfg.run.timeout_s,
+                                            "handshake (waiting for welcome)")
         if not isinstance(welcome, Welcome):
             raise RuntimeError(f"rank {self.rank}: handshake: expected Welcome, got {type(welcome).__name__}")
         self.handshake_rtt_s = time.time() - t0
@@ -105,12 +110,12 @@ class Runtime:
         def notify(op_: str, text: str) -> None:
             if self.rank != 0:
                 self.control.send(0, Failure(self.rank, op_, text), TAG_COORDINATOR)
-                self.control.drain_sends(1.0)
+                self.control.drain_sends(self.cfg.run.abort_grace_s)
         fatal(self.rank, op, error, comm=self.world, notify=notify,
               show_traceback=not isinstance(error, (RankTimeout, ConfigError)), grace_s=self.cfg.run.abort_grace_s)
 
     def _coordinator_failed(self, op: str, error: BaseException) -> None:
-        fatal(0, op, error, comm=self.world, show_traceback=not isinstance(error, RankTimeout),
+        fatal(0, op, error, comm=self.world, show_traceback=not isinstance(error, (RankTimeout, Unresponsive)),
               grace_s=self.cfg.run.abort_grace_s)
 
     def wait_stop(self, op: str = "waiting for the coordinator's stop") -> None:

@@ -1,10 +1,12 @@
-"""The coordinator thread on rank 0: message plumbing around a pure logic object (Horovod's pattern).
+"""The coordinator thread on rank 0: message plumbing around a coordinator side (Horovod's pattern).
 
 The thread first runs the handshake — one :class:`Hello` from every rank within ``run.timeout_s``,
 answered by a :class:`Welcome` with each rank's node id and local rank — and then pumps messages:
-every message from a worker goes to ``logic.on_message(source, msg, now)``, ``logic.on_tick(now)``
-runs on every loop, and whatever ``(dest, message)`` pairs they return are sent. The logic never
-sees MPI and never reads a clock; when ``logic.done()`` turns true every worker gets :class:`Stop`.
+every message from a worker goes to ``side.on_message(source, msg, now)`` (the training side routes
+it by type to the pure :class:`~reflow_hpc.core.coordinator.Coordinator`, ``runtime/training.py``;
+the self-check side collects reports), ``side.on_tick(now)`` runs on every loop, and the
+``(dest, message)`` pairs they return are sent. Every ``run.heartbeat_s`` every worker gets a
+:class:`Heartbeat`; when ``side.done()`` turns true every worker gets :class:`Stop`.
 
 A :class:`Failure` from any worker is logged with its rank and ends the job.
 """
@@ -16,16 +18,17 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Protocol
 
-from .channel import ControlChannel
-from .failure import fatal
-from .messages import TAG_COORDINATOR, TAG_SERVICE, Failure, Hello, Stop, Welcome
-from .mpi import RankTimeout
+from ..comm.channel import ControlChannel
+from ..comm.failure import fatal
+from ..comm.mpi import RankTimeout, wait_until
+from ..core.coordinator import Unresponsive
+from .messages import TAG_COORDINATOR, TAG_SERVICE, Failure, Heartbeat, Hello, Stop, Welcome
 from .topology import place
 
 Outgoing = Iterable[tuple[int, Any]]
 
 
-class CoordinatorLogic(Protocol):
+class CoordinatorSide(Protocol):
     def on_start(self, hellos: list[Hello], handshake_s: float, now: float) -> Outgoing: ...
 
     def on_message(self, source: int, msg: Any, now: float) -> Outgoing: ...
@@ -45,12 +48,13 @@ class HandshakeTimeout(RankTimeout):
 
 
 class CoordinatorThread(threading.Thread):
-    def __init__(self, channel: ControlChannel, logic: CoordinatorLogic, *, timeout_s: float,
+    def __init__(self, channel: ControlChannel, side: CoordinatorSide, *, timeout_s: float, heartbeat_s: float,
                  on_fatal: Callable[[str, BaseException], None] | None = None):
         super().__init__(name="coordinator", daemon=True)
         self.channel = channel
-        self.logic = logic
+        self.side = side
         self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
         self.hellos: list[Hello] = []
         self.handshake_s = 0.0
         self._on_fatal = on_fatal
@@ -65,17 +69,14 @@ class CoordinatorThread(threading.Thread):
     def _handshake(self) -> None:
         world = self.channel.size
         got: dict[int, Hello] = {}
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        backoff = self.channel.backoff()
         received_at: dict[int, float] = {}
-        while len(got) < world:
+        start = time.monotonic()
+        backoff = self.channel.backoff()
+
+        def everyone() -> bool:
             m = self.channel.poll(TAG_COORDINATOR)
             if m is None:
-                if time.monotonic() > deadline:
-                    raise HandshakeTimeout(sorted(set(range(world)) - set(got)), world, self.timeout_s)
-                backoff.idle()
-                continue
+                return False
             backoff.progress()
             source, msg = m
             if isinstance(msg, Failure):
@@ -84,6 +85,12 @@ class CoordinatorThread(threading.Thread):
                 raise RuntimeError(f"rank 0: handshake: unexpected {type(msg).__name__} from rank {source}")
             got[source] = msg
             received_at[source] = time.time()
+            return len(got) == world
+
+        try:
+            wait_until(everyone, timeout=self.timeout_s, rank=0, op="handshake", backoff=backoff)
+        except RankTimeout:
+            raise HandshakeTimeout(sorted(set(range(world)) - set(got)), world, self.timeout_s) from None
         self.handshake_s = time.monotonic() - start
         self.hellos = [got[r] for r in range(world)]
         placement = place([h.node for h in self.hellos])
@@ -96,9 +103,10 @@ class CoordinatorThread(threading.Thread):
     def run(self) -> None:
         try:
             self._handshake()
-            self._send_all(self.logic.on_start(self.hellos, self.handshake_s, time.time()))
+            self._send_all(self.side.on_start(self.hellos, self.handshake_s, time.time()))
             backoff = self.channel.backoff()
-            while not self.logic.done():
+            next_heartbeat = 0.0
+            while not self.side.done():
                 m = self.channel.poll(TAG_COORDINATOR)
                 if m is not None:
                     backoff.progress()
@@ -107,8 +115,11 @@ class CoordinatorThread(threading.Thread):
                         print(f"reflow_hpc: coordinator: rank {msg.rank} failed in {msg.op}: {msg.error}",
                               file=sys.stderr, flush=True)
                         raise RuntimeError(f"rank {msg.rank} failed in {msg.op}")
-                    self._send_all(self.logic.on_message(source, msg, time.time()))
-                out = list(self.logic.on_tick(time.time()))
+                    self._send_all(self.side.on_message(source, msg, time.time()))
+                out = list(self.side.on_tick(time.time()))
+                if time.monotonic() >= next_heartbeat:
+                    out += [(r, Heartbeat(0)) for r in range(self.channel.size)]
+                    next_heartbeat = time.monotonic() + self.heartbeat_s
                 self._send_all(out)
                 if m is None and not out:
                     backoff.idle()
@@ -116,8 +127,8 @@ class CoordinatorThread(threading.Thread):
                 self.channel.send(r, Stop(), TAG_SERVICE)
         except BaseException as e:
             self.error = e
+            quiet = isinstance(e, (RankTimeout, Unresponsive))
             if self._on_fatal is not None:
                 self._on_fatal("coordinator", e)
             else:
-                fatal(0, "coordinator", e, comm=self.channel.comm,
-                      show_traceback=not isinstance(e, RankTimeout))
+                fatal(0, "coordinator", e, comm=self.channel.comm, show_traceback=not quiet)

@@ -1,9 +1,9 @@
-"""Typed, versioned control messages between the coordinator (rank 0) and the workers.
+"""Control messages between the coordinator (rank 0) and the workers, besides the coordinator's
+commands (:mod:`reflow_hpc.core.commands`), which travel as they are.
 
-Control messages are small dataclasses, pickled by mpi4py inside an envelope that carries
-``PROTOCOL``; a peer speaking another protocol version is rejected with an error naming its rank
-(mixed installs on a cluster are a real failure mode). Payload arrays never travel here: sample
-payloads move through ``storage.fetch`` as raw buffers, weights through torch.distributed.
+They are small dataclasses carried by the typed channel (:mod:`reflow_hpc.comm.channel`, which
+checks the protocol version). Payload arrays never travel here: sample payloads move through
+``storage.fetch`` as raw buffers, weights through torch.distributed.
 
 Tags on the control communicator:
 
@@ -13,31 +13,11 @@ Tags on the control communicator:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-PROTOCOL = 1
 
 TAG_COORDINATOR = 11
 TAG_SERVICE = 12
-
-
-class ProtocolError(RuntimeError):
-    pass
-
-
-def wrap(msg: Any) -> tuple[int, Any]:
-    return (PROTOCOL, msg)
-
-
-def unwrap(envelope: Any, source: int, rank: int) -> Any:
-    if not (isinstance(envelope, tuple) and len(envelope) == 2 and isinstance(envelope[0], int)):
-        raise ProtocolError(f"rank {rank}: malformed control message from rank {source}: {type(envelope).__name__}")
-    version, msg = envelope
-    if version != PROTOCOL:
-        raise ProtocolError(f"rank {rank}: rank {source} speaks control protocol {version}, this rank {PROTOCOL} "
-                            f"(different reflow_hpc versions installed on the nodes?)")
-    return msg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,22 +77,11 @@ class CheckReport:
     allreduce_expected: float
     allreduce_s: float
     mpi_allreduce_ok: bool
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
-# Training run (besides the commands of reflow_hpc.core.commands, which travel as they are)
+# Training run: worker -> coordinator (each message is one coordinator event; runtime/training.py)
 # ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Setup:
-    """Coordinator → every worker after the handshake: roles, groups and where to resume from."""
-    trainers: list[int]
-    rollouts: list[int]
-    colocated: bool                 # sync mode: every worker generates and trains
-    version: int                    # policy version the weights below correspond to
-    resume_from: str | None         # checkpoint directory, or None for a fresh start
-
 
 @dataclass
 class FinishedSample:
@@ -122,16 +91,16 @@ class FinishedSample:
     min_version: int
     max_version: int
     loss_tokens: int
-    response_len: int
-    finish_reason: str
-    location: Any = None
+    finish_reason: str              # how generation ended: stop | length | turns
+    location: Any = None            # [segment, row] of its shard row on the owner
 
 
 @dataclass
 class Ready:
     """A worker is set up; ``inventory`` lists the finished samples it restored from its shards."""
     rank: int
-    inventory: list[dict]           # {sample_id, group_id, prompt_id, reward, min_version, max_version, loss_tokens}
+    inventory: list[dict]           # {sample_id, group_id, prompt_id, reward, min_version, max_version, loss_tokens,
+    #                                  location}
     lost: list[int]                 # sample ids its shards lost in a crash
 
 
@@ -140,7 +109,7 @@ class SamplesFinished:
     rank: int
     samples: list[FinishedSample]
     idle_s: float                   # cumulative rollout idle seconds of this worker
-    generated_tokens: int           # cumulative
+    generated_tokens: int           # cumulative tokens its engine generated
 
 
 @dataclass
@@ -169,24 +138,25 @@ class SyncDone:
 
 
 @dataclass
-class CheckpointDone:
+class ShardsFlushed:
+    """Phase 1 of a checkpoint: the worker flushed its shards."""
     rank: int
     tag: str
     manifest: dict                  # the worker's shard manifest summary
 
 
 @dataclass
-class Heartbeat:
-    """Either direction: I am alive (the service thread sends it while the main thread works)."""
+class CheckpointWritten:
+    """Phase 2 of a checkpoint: the writer wrote it."""
     rank: int
-    idle_s: float = 0.0
-    engine: dict = field(default_factory=dict)
+    tag: str
+    path: str
 
 
 @dataclass
-class SaveCheckpoint:
-    """Coordinator → the first trainer once every other worker flushed: write the checkpoint.
-    ``extra`` holds the coordinator's state and every worker's shard manifest."""
-    tag: str
-    step: int
-    extra: dict
+class Heartbeat:
+    """Either direction: I am alive (the service thread sends it while the main thread works). A rollout
+    worker's carries its cumulative idle time and generated tokens."""
+    rank: int
+    idle_s: float = 0.0
+    generated_tokens: int = 0

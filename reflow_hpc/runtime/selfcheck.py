@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..comm.dist import backend_for, guarded, init_process_group
+from ..comm.mpi import library_version, wait_request
 from ..config import Config, to_dict
 from .context import Runtime
 from .coordinator import Outgoing
-from .dist import backend_for, guarded, init_process_group
 from .messages import CheckReport, Hello
-from .mpi import library_version, wait_request
 
 
-class CheckLogic:
+class CheckSide:
     """Coordinator side: collect one report per rank within the timeout, then write topology.json."""
 
     def __init__(self, cfg: Config, world: int):
@@ -115,7 +115,7 @@ def run_check(rt: Runtime) -> CheckReport:
     cfg, topo = rt.cfg, rt.topology
     assert topo is not None
     init_s = init_process_group(rt.world, device=topo.device, single_host=rt.single_host,
-                                timeout_s=cfg.run.timeout_s)
+                                timeout_s=cfg.run.timeout_s, master_addr=cfg.run.master_addr)
     world = rt.size
     expected = world * (world + 1) / 2
     t0 = time.monotonic()

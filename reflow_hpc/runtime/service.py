@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from .channel import ControlChannel
-from .failure import fatal
+from ..comm.channel import ControlChannel
+from ..comm.failure import fatal
 from .messages import TAG_SERVICE, Heartbeat, Stop
 
 
@@ -68,7 +68,7 @@ class ServiceThread(threading.Thread):
 
     def next_command(self, timeout: float, op: str) -> Any:
         """The next command for the main thread; RankTimeout naming the coordinator after ``timeout``."""
-        from .mpi import RankTimeout
+        from ..comm.mpi import RankTimeout
         try:
             return self.inbox.get(timeout=timeout)
         except queue.Empty:

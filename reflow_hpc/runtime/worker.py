@@ -1,10 +1,11 @@
 """The main thread of a worker during a training run (DESIGN §3, §6, §7).
 
 A worker is hybrid: its role — rollout, trainer, or both in colocated ``sync`` mode — is what the
-coordinator's :class:`~reflow_hpc.runtime.messages.Setup` says, and it builds what that role needs:
+coordinator's :class:`~reflow_hpc.core.commands.Setup` says, and it builds what that role needs:
 the rollout engine with its episode runner and sample store (whose fetch server the service thread
-polls), the trainer with its fetch client, and the weight-sync endpoint. Then it executes commands
-in the order they arrive and, whenever it has requests in flight, steps the engine between them:
+polls), the trainer with its fetch client, and the weight-sync endpoint. Then it carries out the
+coordinator's commands in the order they arrive (``handlers``: one method per command type) and,
+whenever it has requests in flight, steps the engine between them:
 
 - ``Dispatch`` → requests into the engine; finished samples go to the store (memory + shard) and
   their metadata to the coordinator.
@@ -25,18 +26,19 @@ import datetime
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from ..config import Config
-from ..core.commands import Cancel, Checkpoint, Dispatch, Drop, Sync, Train
+from ..comm.mpi import RankTimeout
+from ..config import to_dict
+from ..core.commands import Cancel, Checkpoint, Dispatch, Drop, SaveCheckpoint, Setup, Sync, Train
+from ..core.modes import rules
 from .context import Runtime
-from .messages import (CheckpointDone, FinishedSample, Heartbeat, Ready, SamplesFailed, SamplesFinished,
-                       SaveCheckpoint, Setup, StepDone, Stop, SyncDone)
-from .mpi import RankTimeout
+from .messages import (CheckpointWritten, FinishedSample, Heartbeat, Ready, SamplesFailed, SamplesFinished,
+                       ShardsFlushed, StepDone, Stop, SyncDone)
 
-
-def checkpoint_root(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else cfg.run_dir / "checkpoints"
+# A worker with nothing to generate blocks on its inbox this long at a time. A command wakes it at
+# once, so the value only bounds how often it checks that the coordinator is still heard from.
+IDLE_WAIT_S = 0.05
 
 
 class Worker:
@@ -53,22 +55,28 @@ class Worker:
         self.tokenizer: Any = None
         self.wsync: Any = None
         self.colocated = False
+        self.rules = rules(self.cfg.reflow.mode)
         self.idle_s = 0.0              # rollout idle: nothing in flight
         self.trainer_idle_since = time.monotonic()
         self.stopped = False
+        self.handlers: dict[type, Callable[[Any], None]] = {
+            Dispatch: self._dispatch, Train: self._train, Sync: self._sync, Drop: self._drop, Cancel: self._cancel,
+            Checkpoint: self._flush_for_checkpoint, SaveCheckpoint: self._save_checkpoint, Stop: self._stop,
+        }
 
     # ------------------------------------------------------------------------------ set-up
 
     def setup(self, msg: Setup) -> None:
         import torch.distributed as dist
-        from .dist import init_process_group
+
+        from ..comm.dist import init_process_group
 
         cfg, rank = self.cfg, self.rank
         self.colocated = msg.colocated
         is_trainer = rank in msg.trainers
         is_rollout = rank in msg.rollouts
         init_process_group(self.rt.world, device=self.device, single_host=self.rt.single_host,
-                           timeout_s=cfg.run.timeout_s)
+                           timeout_s=cfg.run.timeout_s, master_addr=cfg.run.master_addr)
         # Every rank creates every group, in the same order (torch.distributed requires it).
         deadline = datetime.timedelta(seconds=cfg.run.timeout_s)
         trainer_group = dist.new_group(sorted(msg.trainers), timeout=deadline)
@@ -135,10 +143,10 @@ class Worker:
         if existing:
             for sid in self.store.held_ids():
                 t = self.store.get([sid])[0]
-                lo, hi = _version_span(t)
+                lo, hi = t.version_span()
                 inventory.append({"sample_id": t.sample_id, "group_id": t.group_id, "prompt_id": t.prompt_id,
                                   "reward": t.reward, "min_version": lo, "max_version": hi,
-                                  "loss_tokens": t.num_loss_tokens})
+                                  "loss_tokens": t.num_loss_tokens, "location": self._location(sid)})
             lost = list(self.store.lost_ids())
             self.store.release(self.store.held_ids())
         return inventory, lost
@@ -147,18 +155,21 @@ class Worker:
 
     def run(self) -> int:
         svc = self.rt.service
-        svc.heartbeat = lambda: self.rt.send(Heartbeat(self.rank, self.idle_s))
+        svc.heartbeat = lambda: self.rt.send(Heartbeat(self.rank, self.idle_s, self._generated_tokens()))
         svc.heartbeat_s = self.cfg.run.heartbeat_s
         setup = self._wait(lambda m: isinstance(m, Setup), "waiting for setup")
         self.setup(setup)
         while not self.stopped:
             busy = self.runner is not None and self.runner.has_work()
             t0 = time.monotonic()
-            cmd = svc.poll_command(0.0 if busy else 0.05)
+            cmd = svc.poll_command(0.0 if busy else IDLE_WAIT_S)
             if not busy and self.runner is not None:
                 self.idle_s += time.monotonic() - t0        # nothing to generate: rollout idle
             if cmd is not None:
-                self.handle(cmd)
+                handler = self.handlers.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(f"rank {self.rank}: unexpected command {type(cmd).__name__}")
+                handler(cmd)
                 continue
             if busy:
                 self._generate()
@@ -183,53 +194,68 @@ class Worker:
             return
         self.store.put(finished)
         self.store.maybe_flush()
-        metas = [FinishedSample(t.sample_id, t.reward, *_version_span(t), t.num_loss_tokens,
-                                t.response_len, t.finish_reason, None) for t in finished]
-        self.rt.send(SamplesFinished(self.rank, metas, self.idle_s, self.engine.stats().generated_tokens))
+        metas = [FinishedSample(t.sample_id, t.reward, *t.version_span(), t.num_loss_tokens, t.finish_reason,
+                                self._location(t.sample_id)) for t in finished]
+        self.rt.send(SamplesFinished(self.rank, metas, self.idle_s, self._generated_tokens()))
 
-    def handle(self, cmd: Any) -> None:
-        if isinstance(cmd, Dispatch):
-            for s in cmd.samples:
-                self.runner.add(s.sample_id, s.group_id, s.prompt_id)
-        elif isinstance(cmd, Train):
-            self._train(cmd)
-        elif isinstance(cmd, Sync):
-            self._sync(cmd)
-        elif isinstance(cmd, Drop):
-            self.store.release(cmd.sample_ids)
-        elif isinstance(cmd, Cancel):
-            self.runner.cancel(cmd.sample_ids)
-        elif isinstance(cmd, Checkpoint):
-            self.rt.send(CheckpointDone(self.rank, cmd.tag, self._flush_manifest()))
-        elif isinstance(cmd, SaveCheckpoint):
-            self._save_checkpoint(cmd)
-        elif isinstance(cmd, Stop):
-            self._stop()
-        else:
-            raise RuntimeError(f"rank {self.rank}: unexpected command {type(cmd).__name__}")
+    def _generated_tokens(self) -> int:
+        return self.engine.stats().generated_tokens if self.engine is not None else 0
+
+    def _location(self, sample_id: int) -> list[int] | None:
+        where = self.store.location(sample_id)
+        return None if where is None else [where[1].segment, where[1].row]
 
     # ------------------------------------------------------------------------------ commands
 
+    def _dispatch(self, cmd: Dispatch) -> None:
+        for s in cmd.samples:
+            self.runner.add(s.sample_id, s.group_id, s.prompt_id)
+
+    def _drop(self, cmd: Drop) -> None:
+        self.store.release(cmd.sample_ids)
+
+    def _cancel(self, cmd: Cancel) -> None:
+        self.runner.cancel(cmd.sample_ids)
+
     def _train(self, cmd: Train) -> None:
-        from ..train.trainer import TrainItem
+        from ..train.trainer import WeightedSample
         idle = time.monotonic() - self.trainer_idle_since
         t0 = time.monotonic()
         wanted: dict[int, list[int]] = {}
-        for it in cmd.items:
-            wanted.setdefault(it.owner, []).append(it.sample_id)
+        for s in cmd.samples:
+            wanted.setdefault(s.owner, []).append(s.sample_id)
         payload = self.fetcher.fetch(wanted)
         fetch_s = time.monotonic() - t0
-        items = [TrainItem(payload[it.sample_id], it.advantage, it.weight, it.is_replay) for it in cmd.items]
+        samples = [WeightedSample(payload[s.sample_id], s.advantage, s.weight, s.is_replay) for s in cmd.samples]
+        lo, hi = self._check_staleness(cmd, samples)
         if self.colocated:
             self.engine.sleep()
             self.trainer.onload()
-        stats = self.trainer.train_step(items, cmd.batch_loss_tokens)
+        stats = self.trainer.train_step(samples, cmd.batch_loss_tokens)
         if self.colocated:
             self.trainer.offload()
             self.engine.wake()
-        stats["staleness_max"] = max((it.staleness for it in cmd.items), default=0)
+        stats.update({"token_staleness_min": lo, "token_staleness_max": hi})
         self.rt.send(StepDone(self.rank, cmd.step, stats, idle, fetch_s))
         self.trainer_idle_since = time.monotonic()
+
+    def _check_staleness(self, cmd: Train, samples: list) -> tuple[int, int]:
+        """(min, max) staleness of every token trained in this step, which must keep the mode's guarantee
+        (core/modes.py); a token that breaks it is a bug, and ends the run naming the sample."""
+        lo, hi = cmd.version, 0
+        for s in samples:
+            versions = s.trajectory.versions
+            generated = versions[versions >= 0]
+            if not len(generated):
+                continue
+            s_lo, s_hi = cmd.version - int(generated.max()), cmd.version - int(generated.min())
+            lo, hi = min(lo, s_lo), max(hi, s_hi)
+            for staleness in (s_lo, s_hi):
+                if not self.rules.staleness_ok(staleness, self.cfg.reflow.delta, cmd.step):
+                    raise RuntimeError(f"rank {self.rank}: step {cmd.step}: sample {s.trajectory.sample_id} has a "
+                                       f"token {staleness} step(s) behind version {cmd.version}, which mode "
+                                       f"{self.rules.mode} does not allow (δ = {self.cfg.reflow.delta})")
+        return lo, hi
 
     def _sync(self, cmd: Sync) -> None:
         t0 = time.monotonic()
@@ -247,6 +273,9 @@ class Worker:
         self.rt.send(SyncDone(self.rank, cmd.version, time.monotonic() - t0, nbytes, resumed))
         self.trainer_idle_since = time.monotonic()        # broadcasting is work, not waiting
 
+    def _flush_for_checkpoint(self, cmd: Checkpoint) -> None:
+        self.rt.send(ShardsFlushed(self.rank, cmd.tag, self._flush_manifest()))
+
     def _flush_manifest(self) -> dict:
         if self.store is None:
             return {}
@@ -257,16 +286,14 @@ class Worker:
 
     def _save_checkpoint(self, cmd: SaveCheckpoint) -> None:
         from ..train.checkpoint import save_checkpoint
-        extra = dict(cmd.extra)
-        manifests = dict(extra.get("manifests", {}))
-        manifests[str(self.rank)] = self._flush_manifest()
-        extra["manifests"] = manifests
-        path = save_checkpoint(checkpoint_root(self.cfg), cmd.step, model=self.trainer.model, tokenizer=self.tokenizer,
+        manifests = {**cmd.manifests, str(self.rank): self._flush_manifest()}
+        extra = {"coordinator": cmd.state, "manifests": manifests, "config": to_dict(self.cfg)}
+        path = save_checkpoint(self.cfg.checkpoint_dir, cmd.step, model=self.trainer.model, tokenizer=self.tokenizer,
                                trainer_state=self.trainer.state_dict(include_model=False), extra=extra,
                                keep_last=self.cfg.checkpoint.keep_last)
-        self.rt.send(CheckpointDone(self.rank, cmd.tag, {"path": str(path)}))
+        self.rt.send(CheckpointWritten(self.rank, cmd.tag, str(path)))
 
-    def _stop(self) -> None:
+    def _stop(self, cmd: Stop) -> None:
         self.stopped = True
         if self.runner is not None:
             self.runner.abandon()
@@ -277,13 +304,3 @@ class Worker:
                 if dest.exists():
                     shutil.rmtree(dest)
                 shutil.copytree(self.store.directory, dest)
-
-
-def _version_span(t: Any) -> tuple[int, int]:
-    """(min, max) token version; a sample that generated nothing counts as of the version it ran under."""
-    if t.min_version >= 0:
-        return t.min_version, t.max_version
-    v = int(t.meta.get("version", 0))
-    return v, v
-
-

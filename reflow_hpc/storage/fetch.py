@@ -47,8 +47,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from reflow_hpc.comm.mpi import Backoff, RankTimeout, wait_until
 from reflow_hpc.config import RunConfig
-from reflow_hpc.runtime.mpi import Backoff
 from reflow_hpc.storage.schema import StorageError
 from reflow_hpc.storage.store import SampleStore
 from reflow_hpc.trajectory import Trajectory
@@ -136,12 +136,14 @@ class FetchServer:
         return len(self._replies)
 
     def poll(self) -> bool:
-        """Handle at most one pending request without blocking; returns whether there was one."""
+        """Handle at most one pending request without blocking. Returns whether the caller should poll
+        again at once: there was a request, or a reply is still in flight (a large reply moves only
+        while this rank calls MPI, so the service thread must not back off then)."""
         self._progress_sends()
         status = MPI.Status()
         msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=REQUEST_TAG, status=status)
         if msg is None:
-            return False
+            return bool(self._replies)
         src = status.Get_source()
         try:
             req = msg.recv()
@@ -176,12 +178,11 @@ class FetchServer:
 
     def close(self, timeout_s: float = 0.0) -> int:
         """Wait up to `timeout_s` for replies still in flight; returns how many never completed."""
-        deadline = self.clock() + timeout_s
-        backoff = Backoff(self.poll_min_s, self.poll_max_s)
-        while self._replies and self.clock() < deadline:
+        def sent() -> bool:
             self._progress_sends()
-            backoff.idle(deadline - self.clock())
-        self._progress_sends()
+            return not self._replies
+        wait_until(sent, timeout=timeout_s, rank=self.rank, op="fetch replies in flight",
+                   backoff=Backoff(self.poll_min_s, self.poll_max_s), clock=self.clock, raise_on_timeout=False)
         return len(self._replies) + len(self._abandoned)
 
     def _send(self, dest: int, tag: int, header: dict, arrays: list[np.ndarray] | None) -> None:
@@ -207,24 +208,6 @@ class FetchServer:
             else:
                 keep.append(r)
         self._replies = keep
-
-
-def serve(server: FetchServer, stop: threading.Event, *, poll_min_s: float, poll_max_s: float,
-          on_idle: Callable[[], object] | None = None) -> None:
-    """A minimal service-thread loop: poll `server` until `stop` is set, backing off when idle.
-
-    `on_idle` runs when there was nothing to answer (e.g. ``store.maybe_flush``).
-    """
-    backoff = Backoff(poll_min_s, poll_max_s)
-    while not stop.is_set():
-        if server.poll():
-            backoff.progress()
-            continue
-        if on_idle is not None:
-            on_idle()
-        if server.replies_in_flight:
-            backoff.progress()     # a large reply moves only while this rank calls MPI: poll at the fast rate
-        backoff.idle()
 
 
 # --------------------------------------------------------------------------------------- requester
@@ -302,27 +285,27 @@ class FetchClient:
               out: dict[int, Trajectory]) -> None:
         backoff = Backoff(self.poll_min_s, self.poll_max_s)
         open_ = list(pending)
-        while open_:
+
+        def arrived() -> bool:
+            nonlocal open_
             progressed = False
             for p in open_:
                 progressed |= self._step(p, out)
             open_ = [p for p in open_ if not p.done]
-            if not open_:
-                return
-            now = self.clock()
-            if now >= deadline:
-                self._give_up(open_)
-                ranks = [p.owner for p in open_]
-                counts = ", ".join(str(len(p.ids)) for p in open_)
-                who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-                raise FetchTimeout(f"fetch from {who} timed out after {timeout_s:.1f} s ({counts} samples)",
-                                   ranks, out)
-            if progressed:
-                backoff.progress()
-                continue
-            if any(p.recvs for p in open_):
+            if progressed or any(p.recvs for p in open_):
                 backoff.progress()     # a payload in transit moves only while this rank calls MPI
-            backoff.idle(deadline - now)
+            return not open_
+
+        try:
+            wait_until(arrived, timeout=deadline - self.clock(), rank=self.rank, op="fetch", backoff=backoff,
+                       clock=self.clock)
+        except RankTimeout:
+            self._give_up(open_)
+            ranks = [p.owner for p in open_]
+            counts = ", ".join(str(len(p.ids)) for p in open_)
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+            raise FetchTimeout(f"fetch from {who} timed out after {timeout_s:.1f} s ({counts} samples)",
+                               ranks, out) from None
 
     def _step(self, p: _Pending, out: dict[int, Trajectory]) -> bool:
         """Advance one request; returns whether anything arrived."""

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..comm.collective import bounded
 from ..trajectory import Trajectory
 from .buckets import MB, pack, plan_buckets, specs_of, unpack
-from .collective import bounded
 from .loss import SUM_KEYS, empty_stats, loss_metrics, policy_loss, token_logprobs
 from .optim import build_optimizer, build_scheduler
 
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TrainItem:
+class WeightedSample:
     """One sample of a batch as the trainer sees it."""
     trajectory: Trajectory
     advantage: float        # A_i, group-normalised when the group completed
@@ -73,7 +73,7 @@ class MicroBatch:
     tokens: int
 
 
-def collate(items: Sequence[TrainItem], pad_id: int, device: torch.device) -> MicroBatch:
+def collate(items: Sequence[WeightedSample], pad_id: int, device: torch.device) -> MicroBatch:
     """Right-padded tensors of a micro-batch; position t predicts token t + 1."""
     width = max(len(it.trajectory.tokens) for it in items)
     b = len(items)
@@ -137,7 +137,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
 
-    def train_step(self, items: Sequence[TrainItem], batch_loss_tokens: int) -> dict[str, float]:
+    def train_step(self, items: Sequence[WeightedSample], batch_loss_tokens: int) -> dict[str, float]:
         """One optimizer update on this replica's ``items``; collective over ``group``."""
         if self._offloaded:
             raise RuntimeError(f"rank {self.rank}: train_step on an offloaded trainer: call onload() first")
@@ -215,7 +215,7 @@ class Trainer:
                            clip_low=alg.clip_low, clip_high=alg.clip_high, batch_loss_tokens=batch_loss_tokens,
                            ref_logp=ref_logp, kl_coef=alg.kl_coef, entropy=entropy)
 
-    def _check_items(self, items: Sequence[TrainItem], batch_loss_tokens: int) -> None:
+    def _check_items(self, items: Sequence[WeightedSample], batch_loss_tokens: int) -> None:
         if batch_loss_tokens < 0:
             raise ValueError(f"rank {self.rank}: batch_loss_tokens = {batch_loss_tokens}: must be ≥ 0")
         for it in items:

@@ -20,8 +20,8 @@ Rules it implements:
   model. A consumer must exhaust the iterator: the source waits for every member at every bucket.
 - **Bounded waits.** Every collective waits at most ``timeout_s`` (pass ``run.timeout_s``; None
   falls back to the group's own timeout, 30 min for a gloo group made without one, see
-  :mod:`reflow_hpc.train.collective`); a failure or a member that never joins ends in
-  :class:`~reflow_hpc.runtime.dist.CollectiveError` naming the rank, the sync and the bucket
+  :mod:`reflow_hpc.comm.collective`); a failure or a member that never joins ends in
+  :class:`~reflow_hpc.comm.dist.CollectiveError` naming the rank, the sync and the bucket
   (dtype, size, first tensor).
 - **Measured.** Each sync records :class:`SyncStats` (seconds, bytes, buckets) for the
   ``sync_seconds`` metric; the source returns it, a receiver finds it in :attr:`WeightSync.last`
@@ -38,9 +38,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..runtime.dist import CollectiveError
+from ..comm.collective import bounded
+from ..comm.dist import CollectiveError
 from .buckets import MB, Bucket, TensorSpec, fingerprint, pack, plan_buckets, specs_of, unpack
-from .collective import bounded
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A process group made by ``torch.distributed.new_group`` without a ``timeout`` wa
 (gloo) or 10 minutes (NCCL), not ``run.timeout_s``. The trainer and the weight sync therefore do
 not rely on the group's timeout: every collective is started with ``async_op=True`` and its
 ``Work.wait(timeout)`` gets the deadline explicitly; a failure or a deadline that passes becomes a
-:class:`~reflow_hpc.runtime.dist.CollectiveError` naming the rank and the operation.
+:class:`~reflow_hpc.comm.dist.CollectiveError` naming the rank and the operation.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 from typing import Any, Callable
 
-from ..runtime.dist import guarded
+from .dist import guarded
 
 
 def bounded(rank: int, op: str, timeout_s: float | None, launch: Callable[[], Any]) -> None:

@@ -72,30 +72,39 @@ class Backoff:
         self.current = min(self.current * 2, self.max_s)
 
 
-def wait_for(test: Callable[[], Any], *, timeout: float, rank: int, op: str, peer: int | str | None = None,
-             backoff: Backoff | None = None, alive: Callable[[], bool] | None = None) -> Any:
-    """Poll ``test()`` until it returns something other than None/False, or raise RankTimeout.
+def wait_until(pred: Callable[[], Any], *, timeout: float, rank: int, op: str, peer: int | str | None = None,
+               backoff: Backoff | None = None, alive: Callable[[], bool] | None = None,
+               clock: Callable[[], float] = time.monotonic, raise_on_timeout: bool = True) -> Any:
+    """Poll ``pred()`` until it returns something other than None/False and return that; the one
+    polling loop of the package.
 
-    ``alive`` lets a caller abandon the wait early (e.g. shutdown was requested); then None is returned.
+    Between polls it sleeps ``backoff`` (never past the deadline); ``pred`` may call
+    ``backoff.progress()`` to keep polling at the fast rate (a transfer moves only while this rank
+    calls MPI). After ``timeout`` seconds it raises :class:`RankTimeout` naming ``rank``, ``op`` and
+    ``peer`` (or returns False with ``raise_on_timeout=False``). ``alive`` lets a caller abandon the
+    wait early (e.g. shutdown was requested); then None is returned.
     """
     backoff = backoff or Backoff()
-    deadline = time.monotonic() + timeout
+    deadline = clock() + timeout
     while True:
-        result = test()
+        result = pred()
         if result is not None and result is not False:
             return result
         if alive is not None and not alive():
             return None
-        if time.monotonic() > deadline:
-            raise RankTimeout(rank, op, timeout, peer)
-        backoff.idle()
+        now = clock()
+        if now >= deadline:
+            if raise_on_timeout:
+                raise RankTimeout(rank, op, timeout, peer)
+            return False
+        backoff.idle(deadline - now)
 
 
 def wait_request(req: Any, *, timeout: float, rank: int, op: str, peer: int | str | None = None,
                  backoff: Backoff | None = None) -> None:
     """Complete a non-blocking MPI request under a deadline (cancel it on timeout)."""
     try:
-        wait_for(req.Test, timeout=timeout, rank=rank, op=op, peer=peer, backoff=backoff)
+        wait_until(req.Test, timeout=timeout, rank=rank, op=op, peer=peer, backoff=backoff)
     except RankTimeout:
         try:
             req.Cancel()

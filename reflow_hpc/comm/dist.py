@@ -1,7 +1,8 @@
 """torch.distributed for weights and gradients, bootstrapped from MPI.
 
-Rank 0 picks a free TCP port on its own address and broadcasts ``host:port`` over MPI (a
-non-blocking broadcast with a deadline), then every rank joins the default group: NCCL when the
+Rank 0 picks a free TCP port on its own address (``run.master_addr``, else loopback on one host,
+else its host name's address) and broadcasts ``host:port`` over MPI (a non-blocking broadcast with
+a deadline), then every rank joins the default group: NCCL when the
 workers run on CUDA, gloo on CPU. The group's timeout is ``run.timeout_s``; :func:`guarded` turns a
 failing or timed-out collective into an error that names the rank and the operation.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import socket
 import time
 from typing import Any, Iterator
@@ -18,10 +18,9 @@ from typing import Any, Iterator
 from .mpi import bcast_obj
 
 
-def _own_address(single_host: bool) -> str:
-    override = os.environ.get("REFLOW_MASTER_ADDR")
-    if override:
-        return override
+def _own_address(single_host: bool, master_addr: str = "") -> str:
+    if master_addr:
+        return master_addr
     if single_host:
         return "127.0.0.1"
     host = socket.gethostname()
@@ -41,14 +40,14 @@ def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def init_process_group(comm: Any, *, device: str, single_host: bool, timeout_s: float) -> float:
+def init_process_group(comm: Any, *, device: str, single_host: bool, timeout_s: float, master_addr: str = "") -> float:
     """Join the default process group; returns the seconds it took."""
     import torch.distributed as dist
     t0 = time.monotonic()
     rank, size = comm.Get_rank(), comm.Get_size()
     endpoint = None
     if rank == 0:
-        addr = _own_address(single_host)
+        addr = _own_address(single_host, master_addr)
         endpoint = (addr, _free_port(addr))
     addr, port = bcast_obj(comm, endpoint, 0, timeout=timeout_s, op="rendezvous address broadcast")
     kwargs: dict[str, Any] = {}

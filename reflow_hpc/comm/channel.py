@@ -1,4 +1,9 @@
-"""The control channel: pickled control messages over a dedicated communicator.
+"""The typed control channel: pickled control messages over a dedicated communicator.
+
+Every message travels inside an envelope that carries ``PROTOCOL``; a peer speaking another
+protocol version is rejected with an error naming its rank (mixed installs on a cluster are a real
+failure mode). The message types themselves belong to the layer that speaks them
+(``runtime/messages.py``, ``core/commands.py``); payload arrays never travel here.
 
 Sends are non-blocking (``isend``; completed requests are reaped on later sends) so a slow peer
 never stalls the sender. Receives are matched probes on one tag, so two threads of a rank can
@@ -8,11 +13,29 @@ receive concurrently as long as they listen on different tags.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
-from .messages import unwrap, wrap
-from .mpi import Backoff, RankTimeout, init
+from .mpi import Backoff, init, wait_until
+
+PROTOCOL = 1
+
+
+class ProtocolError(RuntimeError):
+    pass
+
+
+def wrap(msg: Any) -> tuple[int, Any]:
+    return (PROTOCOL, msg)
+
+
+def unwrap(envelope: Any, source: int, rank: int) -> Any:
+    if not (isinstance(envelope, tuple) and len(envelope) == 2 and isinstance(envelope[0], int)):
+        raise ProtocolError(f"rank {rank}: malformed control message from rank {source}: {type(envelope).__name__}")
+    version, msg = envelope
+    if version != PROTOCOL:
+        raise ProtocolError(f"rank {rank}: rank {source} speaks control protocol {version}, this rank {PROTOCOL} "
+                            f"(different reflow_hpc versions installed on the nodes?)")
+    return msg
 
 
 class ControlChannel:
@@ -44,25 +67,14 @@ class ControlChannel:
         return source, unwrap(handle.recv(), source, self.rank)
 
     def recv(self, tag: int, *, timeout: float, op: str, peer: int | None = None) -> tuple[int, Any]:
-        backoff = self.backoff()
-        deadline = time.monotonic() + timeout
-        while True:
-            got = self.poll(tag)
-            if got is not None:
-                return got
-            if time.monotonic() > deadline:
-                raise RankTimeout(self.rank, op, timeout, peer)
-            backoff.idle()
+        return wait_until(lambda: self.poll(tag), timeout=timeout, rank=self.rank, op=op, peer=peer,
+                          backoff=self.backoff())
 
     def drain_sends(self, timeout: float) -> bool:
         """Wait (bounded) until every message sent so far has left; True when all did."""
-        deadline = time.monotonic() + timeout
-        backoff = self.backoff()
-        while True:
+        def drained() -> bool:
             with self._lock:
                 self._inflight = [r for r in self._inflight if not r.Test()]
-                if not self._inflight:
-                    return True
-            if time.monotonic() > deadline:
-                return False
-            backoff.idle()
+                return not self._inflight
+        return wait_until(drained, timeout=timeout, rank=self.rank, op="draining sends", backoff=self.backoff(),
+                          raise_on_timeout=False)

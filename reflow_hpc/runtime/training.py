@@ -1,0 +1,174 @@
+"""Rank 0's side of a training run: the pure :class:`~reflow_hpc.core.coordinator.Coordinator` between
+the message pump and the run directory.
+
+Plumbing only. Each worker message goes to the coordinator event of its type (the ``handlers``
+table); the commands the coordinator returns go to the worker they name, as they are. Around that,
+the few things that touch files: the coordinator's state is restored from the newest checkpoint,
+``topology.json`` is written at the start, the step records become metrics
+(:class:`~reflow_hpc.metrics.StepMetrics`, to JSONL, the progress line and TensorBoard), and
+``summary.json`` is written at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import Config, to_dict
+from ..core.coordinator import Coordinator, Settings
+from ..core.index import RecoveredSample, build_index
+from ..core.modes import rules
+from ..metrics import MetricsSink, StepMetrics
+from .messages import (CheckpointWritten, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished, ShardsFlushed,
+                       StepDone, SyncDone)
+
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+Outgoing = list[tuple[int, Any]]
+
+
+def pools(cfg: Config) -> tuple[list[int], list[int]]:
+    """(trainer ranks, rollout ranks) of the fixed split: trainers first."""
+    w = cfg.resources.workers
+    if rules(cfg.reflow.mode).colocated:
+        return list(range(w)), list(range(w))
+    n_t = cfg.resources.trainer_replicas * cfg.resources.trainer_shard_size
+    return list(range(n_t)), list(range(n_t, w))
+
+
+def build_coordinator(cfg: Config, resume_from: Path | None = None) -> Coordinator:
+    """The coordinator a config describes, restored from ``resume_from`` (a checkpoint directory) if given."""
+    trainers, rollouts = pools(cfg)
+    index = build_index(cfg.reflow, group_size=cfg.algorithm.group_size, batch_size=cfg.trainer.batch_size,
+                        seed=cfg.run.seed, adv_eps=cfg.algorithm.adv_eps, adv_std_norm=cfg.algorithm.adv_std_norm)
+    settings = Settings(rules=rules(cfg.reflow.mode), steps=cfg.trainer.steps, sync_every=cfg.reflow.sync_every,
+                        worker_cap=cfg.rollout.max_concurrency + cfg.scheduler.queue_samples,
+                        checkpoint_every=cfg.checkpoint.every_steps, timeout_s=cfg.run.timeout_s,
+                        setup_timeout_s=cfg.run.setup_timeout_s)
+    coordinator = Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=cfg.resources.workers,
+                              concurrency_cap=cfg.rollout.max_concurrency,
+                              resume_from=str(resume_from) if resume_from else None)
+    if resume_from is not None:
+        coordinator.load_state_dict(json.loads((resume_from / "extra" / "coordinator.json").read_text()))
+    return coordinator
+
+
+class TrainingSide:
+    """What the coordinator thread runs during a training run (see the module docstring)."""
+
+    def __init__(self, cfg: Config):
+        from ..train.checkpoint import latest_checkpoint
+        self.cfg = cfg
+        self.resume_from = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
+        self.coordinator = build_coordinator(cfg, self.resume_from)
+        self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.metrics.tensorboard,
+                                   append=self.resume_from is not None)
+        self.step_metrics = StepMetrics(cfg.reflow.mode)
+        self.started_at = 0.0
+        self.summary: dict[str, Any] = {}
+        c = self.coordinator
+        self.handlers: dict[type, Callable[[int, Any, float], list]] = {
+            Heartbeat: self._heartbeat,
+            Ready: self._ready,
+            SamplesFinished: self._samples_finished,
+            SamplesFailed: self._samples_failed,
+            StepDone: lambda w, m, now: c.step_done(w, m.step, stats=m.stats, idle_s=m.idle_s, fetch_s=m.fetch_s,
+                                                    now=now),
+            SyncDone: lambda w, m, now: c.sync_done(w, m.version, seconds=m.seconds, resumed=m.resumed, now=now),
+            ShardsFlushed: lambda w, m, now: c.shards_flushed(w, m.tag, m.manifest, now=now),
+            CheckpointWritten: lambda w, m, now: c.checkpoint_written(w, m.tag, m.path, now=now),
+        }
+
+    def request_stop(self, signum: int = 0, _frame: Any = None) -> None:
+        """Signal handler (rank 0 main thread): finish the current step, checkpoint, stop."""
+        self.coordinator.request_stop()
+
+    # ------------------------------------------------------------------------------ the pump's hooks
+
+    def on_start(self, hellos: list[Hello], handshake_s: float, now: float) -> Outgoing:
+        from .selfcheck import write_topology
+        c = self.coordinator
+        self.started_at = now
+        roles = {r: ("trainer+rollout" if r in c.trainers and r in c.rollouts else
+                     "trainer" if r in c.trainers else "rollout") for r in c.workers}
+        write_topology(self.cfg, hellos, None, handshake_s, roles)
+        if self.resume_from is not None:
+            print(f"coordinator: resuming from {self.resume_from} (step {c.steps_done}, version "
+                  f"{c.index.version})", flush=True)
+            from ..train.checkpoint import resume_changes
+            _, free = resume_changes(self.resume_from, to_dict(self.cfg))
+            if free:
+                print("coordinator: config changed since that checkpoint: "
+                      + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in free), flush=True)
+        return self._out(c.begin(now))
+
+    def on_message(self, source: int, msg: Any, now: float) -> Outgoing:
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            raise RuntimeError(f"rank 0: coordinator: unexpected {type(msg).__name__} from rank {source}")
+        self.coordinator.heard(source, now)
+        return self._out(handler(source, msg, now))
+
+    def on_tick(self, now: float) -> Outgoing:
+        if self.coordinator.stop_requested and self.coordinator.phase == "running":
+            print("coordinator: stop requested: finishing the current step and checkpointing", flush=True)
+        return self._out(self.coordinator.tick(now))
+
+    def done(self) -> bool:
+        return self.coordinator.done
+
+    # ------------------------------------------------------------------------------ handlers
+
+    def _heartbeat(self, source: int, msg: Heartbeat, now: float) -> list:
+        self.coordinator.rollout_progress(source, idle_s=msg.idle_s, generated_tokens=msg.generated_tokens)
+        return []
+
+    def _ready(self, source: int, msg: Ready, now: float) -> list:
+        inventory = [RecoveredSample(s["sample_id"], s["group_id"], s["prompt_id"], source, s["reward"],
+                                     s["min_version"], s["max_version"], s["loss_tokens"], s.get("location"))
+                     for s in msg.inventory]
+        out = self.coordinator.ready(source, inventory, msg.lost, now)
+        if self.coordinator.phase != "setup" and self.resume_from is not None:
+            g = self.coordinator.index.gauges()
+            print(f"coordinator: buffer after resume: {g['buffer/ready']} ready, {g['buffer/replay']} replay, "
+                  f"{self.coordinator.recovered} recovered from shards, {g['buffer/lost']} lost, "
+                  f"{g['buffer/aborted']} aborted", flush=True)
+        return out
+
+    def _samples_finished(self, source: int, msg: SamplesFinished, now: float) -> list:
+        c = self.coordinator
+        c.rollout_progress(source, idle_s=msg.idle_s, generated_tokens=msg.generated_tokens)
+        out: list = []
+        for s in msg.samples:
+            out += c.sample_finished(source, s.sample_id, reward=s.reward, min_version=s.min_version,
+                                     max_version=s.max_version, loss_tokens=s.loss_tokens,
+                                     finish_reason=s.finish_reason, location=s.location, now=now)
+        return out
+
+    def _samples_failed(self, source: int, msg: SamplesFailed, now: float) -> list:
+        out: list = []
+        for sid in msg.sample_ids:
+            out += self.coordinator.sample_failed(source, sid, now=now)
+        print(f"coordinator: rank {source}: {len(msg.sample_ids)} sample(s) failed: {msg.error}", flush=True)
+        return out
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _out(self, commands: list) -> Outgoing:
+        c = self.coordinator
+        for rec in c.completed:
+            record = self.step_metrics(rec)
+            self.metrics.write(record)
+            self.metrics.progress(record)
+        c.completed.clear()
+        for tag, _, path in c.checkpoints_written:
+            print(f"coordinator: checkpoint {path} written", flush=True)
+        c.checkpoints_written.clear()
+        if c.done and not self.summary:
+            self.summary = {**c.summary(), "wall_seconds": time.time() - self.started_at}
+            self.metrics.close()
+            (self.cfg.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
+        return [(cmd.worker, cmd) for cmd in commands]
