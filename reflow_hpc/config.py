@@ -75,6 +75,12 @@ class RunConfig:
                                  "scored on both (0 = no evaluation).", ge=0)
     eval_samples: int = opt(4, "Samples per evaluation prompt at the training temperature (the evaluation reports "
                                "their mean reward, and greedy exact match).", ge=1)
+    eval_every_steps: int = opt(0, "Snapshot the trainer's weights every this many steps (and after the last "
+                                   "one) and score each snapshot on the task prompts after the run, as eval/* "
+                                   "metrics stamped with the training time at which it was taken (0 = only the "
+                                   "last step's). Saving a snapshot costs the training clock a few milliseconds; the "
+                                   "scoring runs after training, spread over every rank.", ge=0)
+    eval_concurrency: int = opt(64, "Requests the evaluation engine runs at once.", ge=1)
     abort_grace_s: float = opt(1.0, "Seconds a failing rank waits after printing its error before it aborts the job, "
                                      "so that the launcher forwards the message.", ge=0)
     heartbeat_s: float = opt(2.0, "Interval of the alive messages between coordinator and workers; a rank silent "
@@ -204,6 +210,9 @@ class RolloutConfig:
 class TrainerConfig:
     """Optimisation."""
     steps: int = opt(20, "Optimizer steps of the run.", ge=1)
+    time_budget_s: float = opt(0.0, "Stop after this much training time (from the moment every rank is ready, "
+                                    "summed over resumes), as at a preemption: the step in flight finishes, the "
+                                    "weights sync, a checkpoint is written (0 = no budget: run trainer.steps).", ge=0)
     batch_size: int = opt(32, "b: samples per optimizer step (over all trainer replicas).", ge=1)
     micro_batch_size: int = opt(8, "Samples per forward/backward pass on one trainer replica.", ge=1)
     lr: float = opt(3e-5, "Peak learning rate (AdamW).", gt=0)
@@ -233,6 +242,10 @@ class ResourcesConfig:
     device: str = opt("auto", "Device of every worker: auto = cuda when available, else cpu.",
                       choices=("auto", "cpu", "cuda"))
     cpu_threads: int = opt(1, "torch intra-op threads per worker on CPU.", ge=1)
+    cpu_quota: float = opt(0.0, "Hold every rank to this share of one CPU core with a Linux cgroup quota, so that "
+                                "a waiting rank's time is lost as on a dedicated GPU (benchmarks on a shared "
+                                "machine; needs the cgroup-v1 cpu controller; applied when reflow_hpc.run starts "
+                                "the ranks itself). 0 = no quota.", ge=0)
 
 
 @dataclass

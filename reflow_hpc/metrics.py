@@ -26,6 +26,17 @@ Per-step names written by the coordinator:
 | ``trainer/*`` | loss, pg_loss, kl, entropy, clip_fraction, grad_norm, lr, ... (replica mean; ``*max`` the largest, ``*_min`` the smallest) |
 | ``trainer/token_staleness_min``, ``trainer/token_staleness_max`` | over every token trained in the step: trainer version − the version that generated it (checked against the mode's guarantee by the trainer) |
 | ``rollout/concurrency_cap/<rank>`` | per-worker concurrency cap |
+
+Evaluation records (``"kind": "eval"``; step records carry no kind), one per policy scored after the run
+(``reflow_hpc.evaluation``; ``run.eval_every_steps``):
+
+| name | meaning |
+| --- | --- |
+| ``step``, ``version`` | the step after which the weights were taken (0: the starting policy) |
+| ``eval/elapsed_s`` | training time of the run when that step ended |
+| ``eval/task/reward``, ``eval/task/greedy`` | mean reward of ``run.eval_samples`` samples per task prompt never drawn in training, and greedy exact match |
+| ``eval/held_out/reward``, ``eval/held_out/greedy`` | the same on distinct held-out texts (the start and the final policy only) |
+| ``eval/seconds`` | time the scoring took (after training, not on its clock) |
 """
 
 from __future__ import annotations
@@ -122,6 +133,12 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def progress_line(r: dict[str, Any]) -> str:
+    if "eval/task/reward" in r and "throughput_tokens_per_s" not in r:       # a snapshot's evaluation
+        held = (f"  held-out texts reward {_fmt(r.get('eval/held_out/reward'), '.3f')} greedy "
+                f"{_fmt(r.get('eval/held_out/greedy'), '.3f')}" if "eval/held_out/reward" in r else "")
+        return (f"eval {r.get('step', 0):>4} v{r.get('version', 0):<3} after {_fmt(r.get('eval/elapsed_s'), '5.0f')} s "
+                f"of training: task reward {_fmt(r.get('eval/task/reward'), '.3f')} greedy "
+                f"{_fmt(r.get('eval/task/greedy'), '.3f')}{held}")
     return (f"step {r.get('step', 0):>4} v{r.get('version', 0):<3} "
             f"reward {_fmt(r.get('reward/mean'), '.3f')}  "
             f"tok/s {_fmt(r.get('throughput_tokens_per_s'), '7.0f')}  "
@@ -137,5 +154,8 @@ def _plain(v: Any) -> Any:
     return str(v)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def read_jsonl(path: Path, kind: str | None = "step") -> list[dict]:
+    """The records of a metrics.jsonl: one ``kind`` (``step``: a training step; ``eval``: a scored
+    snapshot), or every record with ``kind=None``."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r.get("kind", "step") == kind]

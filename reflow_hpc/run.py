@@ -51,7 +51,21 @@ def relaunch(cfg: Config, argv: list[str]) -> int:
         print("reflow_hpc: relaunched under mpiexec but no MPI launcher environment was found; "
               "check that run.mpiexec belongs to the MPI that mpi4py uses", file=sys.stderr)
         return 1
-    cmd = [find_mpiexec(cfg), "-n", str(cfg.resources.workers), sys.executable, "-m", "reflow_hpc.run", *argv]
+    rank_cmd = [sys.executable, "-m", "reflow_hpc.run", *argv]
+    group = ""
+    if cfg.resources.cpu_quota > 0:
+        from .runtime import cpuquota
+        why = cpuquota.available()
+        if why is None:
+            group = f"reflow-{os.getpid()}"
+            rank_cmd = [sys.executable, "-m", "reflow_hpc.runtime.cpuquota", str(cfg.resources.cpu_quota), group,
+                        "--", *rank_cmd]
+            print(f"reflow_hpc: every rank is held to {cfg.resources.cpu_quota:g} of a CPU core "
+                  f"(cgroup {cpuquota.CONTROLLER}/{group}-rank*)", file=sys.stderr, flush=True)
+        else:
+            print(f"reflow_hpc: resources.cpu_quota = {cfg.resources.cpu_quota:g} not applied: {why}; "
+                  f"running without it", file=sys.stderr, flush=True)
+    cmd = [find_mpiexec(cfg), "-n", str(cfg.resources.workers), *rank_cmd]
     env = dict(os.environ, REFLOW_RELAUNCHED="1")
     proc = subprocess.Popen(cmd, env=env)
 
@@ -65,6 +79,10 @@ def relaunch(cfg: Config, argv: list[str]) -> int:
     except KeyboardInterrupt:
         proc.send_signal(signal.SIGINT)
         return proc.wait()
+    finally:
+        if group:
+            from .runtime import cpuquota
+            cpuquota.remove(group, cfg.resources.workers)
 
 
 def check_resume(cfg: Config) -> None:
@@ -175,11 +193,11 @@ def train(rt) -> int:
     worker.run()
     rt.shutdown()
     destroy()
+    scores = evaluate(rt) if rt.cfg.run.eval_prompts else None
     if side is None:
         return 0
     summary = dict(side.summary)
-    if rt.cfg.run.eval_prompts and worker.trainer is not None:
-        summary.update(evaluate(rt.cfg, worker.trainer.model, worker.tokenizer))
+    summary.update(scores or {})
     (rt.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(report(summary, rt.cfg), flush=True)
     if stop_signal and stop_signal[0] == signal.SIGUSR2 and "SLURM_JOB_ID" in os.environ \
@@ -190,14 +208,22 @@ def train(rt) -> int:
     return 0
 
 
-def evaluate(cfg: Config, final_model, tokenizer) -> dict:
-    """The starting and the trained policy on the prompt sets of :mod:`reflow_hpc.evaluation`."""
-    from .envs import make_task
-    from .evaluation import evaluate as evaluate_models
-    from .policy import load_policy
+def evaluate(rt) -> dict | None:
+    """Every rank scores its share of the run's policies (:mod:`reflow_hpc.evaluation`); rank 0 records
+    them and returns the summary entries."""
+    import torch
 
-    start_model, _ = load_policy(cfg.model.path, cfg.model.dtype, "cpu")
-    return evaluate_models(cfg, make_task(cfg), tokenizer, {"start": start_model, "final": final_model.to("cpu")})
+    from .comm.mpi import wait_until
+    from .evaluation import evaluate_run
+
+    cfg = rt.cfg
+    torch.set_num_threads(cfg.resources.cpu_threads)
+
+    def wait(done, timeout_s: float) -> None:
+        wait_until(done, timeout=timeout_s, rank=rt.rank, op="waiting for the other ranks' evaluation results",
+                   backoff=rt.control.backoff())
+
+    return evaluate_run(cfg, rt.rank, rt.size, wait=wait)
 
 
 def report(summary: dict, cfg: Config) -> str:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from reflow_hpc.core.commands import (Cancel, Checkpoint, Dispatch, Drop, SaveCheckpoint, Setup, Sync, Train)
+from reflow_hpc.core.commands import Cancel, Checkpoint, Dispatch, Drop, SaveCheckpoint, Setup, Snapshot, Sync, Train
 from reflow_hpc.core.coordinator import Coordinator, Settings, Unresponsive
 from reflow_hpc.core.index import build_index
 from reflow_hpc.core.modes import MODES, ModeError, check, rules
@@ -27,7 +27,7 @@ def reflow_section(mode, sigma, delta=1, b_max=0, sync_every=1):
 
 
 def make(mode, *, steps=6, b=8, n=4, workers=4, trainers=2, sigma=0.5, delta=1, sync_every=1, cap=16, seed=0,
-         checkpoint_every=0, timeout_s=100.0):
+         checkpoint_every=0, timeout_s=100.0, eval_every=0, time_budget_s=0.0):
     sigma = sigma if rules(mode).replays else 0.0
     index = build_index(reflow_section(mode, sigma, delta, 0, sync_every), group_size=n, batch_size=b, seed=seed)
     ranks = list(range(workers))
@@ -35,7 +35,8 @@ def make(mode, *, steps=6, b=8, n=4, workers=4, trainers=2, sigma=0.5, delta=1, 
     tr = ranks if colocated else ranks[:trainers]
     ro = ranks if colocated else ranks[trainers:]
     s = Settings(rules=rules(mode), steps=steps, sync_every=sync_every, worker_cap=cap,
-                 checkpoint_every=checkpoint_every, timeout_s=timeout_s, setup_timeout_s=timeout_s)
+                 checkpoint_every=checkpoint_every, timeout_s=timeout_s, setup_timeout_s=timeout_s,
+                 eval_every=eval_every, time_budget_s=time_budget_s)
     return Coordinator(s, index, trainers=tr, rollouts=ro, world=workers, concurrency_cap=cap)
 
 
@@ -51,7 +52,7 @@ def simulate(mode, *, train_time=1.0, seed=0, **kw):
     token_versions: dict[int, set] = {}
     busy_until = {w: 0.0 for w in ranks}
     log = {"batches": [], "trained_versions": [], "syncs": [], "checkpoints": [], "max_outstanding": 0,
-           "train_overlap_gen": False, "setups": []}
+           "train_overlap_gen": False, "setups": [], "snapshots": []}
     training = set()
 
     def push(t, kind, *args):
@@ -87,6 +88,8 @@ def simulate(mode, *, train_time=1.0, seed=0, **kw):
                 assert set(cmd.manifests) == {str(w) for w in ranks if w != cmd.worker}
                 assert cmd.state["steps_done"] == cmd.step
                 push(now + 0.02, "written", cmd.worker, cmd.tag)
+            elif isinstance(cmd, Snapshot):
+                log["snapshots"].append((cmd.step, cmd.version, cmd.elapsed_s, now))
             elif isinstance(cmd, (Drop, Cancel)):
                 pass
         log["max_outstanding"] = max(log["max_outstanding"], index.outstanding)
@@ -183,6 +186,22 @@ def test_periodic_checkpoints_and_sync_every():
     assert index.version == 6
     assert sorted({v for _, v in log["syncs"]}) == [2, 4, 6]     # a sync publishes the trainer's version
     assert all(s <= 1 for _, s in trained_staleness(log))
+
+
+def test_snapshots_for_evaluation_are_stamped_with_training_time():
+    c, _, log = simulate("reflow", steps=7, eval_every=3)
+    assert [(step, version) for step, version, _, _ in log["snapshots"]] == [(3, 3), (6, 6), (7, 7)]
+    ready_at = 0.1                                       # every worker reported ready then
+    assert all(elapsed == pytest.approx(now - ready_at) for _, _, elapsed, now in log["snapshots"])
+
+
+def test_a_time_budget_ends_the_run_like_a_preemption():
+    c, index, log = simulate("reflow", steps=1000, time_budget_s=5.0)
+    assert c.done and 1 <= c.steps_done < 1000 and "time budget of 5 s spent" in c.stopped_early
+    assert 5.0 <= c.train_seconds < 5.0 + 3 * 1.0                  # at most the step in flight, a sync, a save
+    assert log["checkpoints"] == [(f"step_{c.steps_done:06d}", c.steps_done)]
+    assert log["snapshots"][-1][0] == c.steps_done                # the trained policy is scored
+    assert index.created == sum(index.terminal_counts().values())
 
 
 def test_a_silent_worker_ends_the_run_naming_it():

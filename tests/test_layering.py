@@ -24,7 +24,7 @@ ALLOWED = {
     "train": {"comm", "config", "trajectory", "policy"},
     "policy": {"config", "envs"},
     "metrics": {"core"},
-    "evaluation": {"config", "envs", "rollout"},
+    "evaluation": {"config", "envs", "rollout", "policy", "train", "metrics"},
     "warmstart": {"config", "envs", "evaluation", "policy", "train"},
     "sim": {"core", "config", "metrics"},
     "runtime": BELOW_RUNTIME,

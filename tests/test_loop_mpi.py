@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, leftover_processes, python_m
+from reflow_hpc.metrics import read_jsonl
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 CFG = str(ROOT / "configs" / "cpu_tiny.toml")
@@ -45,7 +46,7 @@ def run(tmp_path: Path, policy: str, *sets: str, name: str | None = None, timeou
     run_dir = tmp_path / name
     assert r.returncode == 0, f"run failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert leftover_processes(name) == []
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
     return run_dir, metrics, summary, r
 
@@ -62,7 +63,7 @@ def test_each_mode_runs_with_invariants(tmp_path, policy_dir, mode):
     sigma = 0.5 if mode == "reflow" else 0.0
     run_dir, metrics, summary, r = run(tmp_path, policy_dir, f"reflow.mode={mode}", f"trainer.steps={steps}",
                                        "trainer.batch_size=16", "algorithm.group_size=4", "rollout.max_concurrency=16",
-                                       "reflow.sync_every=1", f"reflow.sigma={sigma}")
+                                       "reflow.sync_every=1", f"reflow.sigma={sigma}", "run.eval_every_steps=2")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert [m["version"] for m in metrics] == list(range(steps))          # the version counts optimizer steps
     # The mode's guarantee, over every token each trainer replica trained (it also enforces it).
@@ -99,6 +100,13 @@ def test_each_mode_runs_with_invariants(tmp_path, policy_dir, mode):
     assert shards, "the run directory holds no shards"
     assert "task prompts not drawn in training" in r.stdout and "held-out texts, distinct" in r.stdout
     assert summary["eval/task/prompts"] == 16 and summary["eval/held_out/prompts"] == 16
+    # Snapshots every 2 steps, scored after the run: the start (step 0), then steps 2 and 4.
+    evals = read_jsonl(run_dir / "metrics.jsonl", "eval")
+    assert [e["step"] for e in evals] == [0, 2, 4] and evals[0]["eval/elapsed_s"] == 0.0
+    assert all(0.0 <= e["eval/task/reward"] <= 1.0 and 0.0 <= e["eval/task/greedy"] <= 1.0 for e in evals)
+    assert 0 < evals[1]["eval/elapsed_s"] < evals[2]["eval/elapsed_s"] <= summary["train_seconds"]
+    assert evals[2]["eval/task/reward"] == summary["eval/task/final_reward"]
+    assert "eval    2 v2   after" in r.stdout
     for k in ("task/start_reward", "task/final_greedy", "held_out/start_greedy", "held_out/final_reward"):
         assert 0.0 <= summary[f"eval/{k}"] <= 1.0
 
@@ -187,7 +195,7 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_flushed_samples(t
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert "stop requested" in out
-    m1 = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    m1 = read_jsonl(run_dir / "metrics.jsonl")
     s1 = json.loads((run_dir / "summary.json").read_text())
     assert 2 <= s1["steps"] < 8 and len(m1) == s1["steps"]
     assert (run_dir / "checkpoints" / f"step_{s1['steps']:06d}" / "meta.json").is_file()

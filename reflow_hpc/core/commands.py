@@ -99,3 +99,13 @@ class SaveCheckpoint:
     tag: str
     state: dict
     manifests: dict[str, dict]      # rank (as text, a JSON key) -> its shard manifest
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Save the trainer's weights of ``version`` for evaluation after the run (``run.eval_every_steps``);
+    ``elapsed_s`` is the training time of the run when the step that made them ended."""
+    worker: int
+    step: int
+    version: int
+    elapsed_s: float

@@ -43,8 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .commands import (Cancel, Checkpoint, Dispatch, DispatchedSample, Drop, SaveCheckpoint, Setup, Sync, Train,
-                       TrainSample)
+from .commands import (Cancel, Checkpoint, Dispatch, DispatchedSample, Drop, SaveCheckpoint, Setup, Snapshot,
+                       Sync, Train, TrainSample)
 from .index import Batch, RecoveredSample, Release, ReplayIndex
 from .modes import ModeRules
 from .sample import FINISHED, READY, REPLAY
@@ -70,6 +70,8 @@ class Settings:
     checkpoint_every: int = 0    # steps between checkpoints (0: only at the end)
     timeout_s: float = 120.0     # a worker silent this long ends the run
     setup_timeout_s: float = 240.0   # the same before every worker is ready (models load, groups join)
+    eval_every: int = 0          # steps between weight snapshots for evaluation (0: only the last step's)
+    time_budget_s: float = 0.0   # stop as at a preemption once the run trained this long (0: no budget)
 
 
 @dataclass
@@ -163,6 +165,10 @@ class Coordinator:
         self.partial_rollouts = 0
         self.finish_reasons: dict[str, int] = {}
         self.stop_requested = False
+        self.stopped_early = ""                              # why the run ends before its steps, if it does
+        self.train_seconds = 0.0                             # training time of the whole run, once finished
+        self.started_at = 0.0                                # when every worker was ready
+        self.elapsed_before = 0.0                            # training time of the process sets before a resume
         self.completed: list[StepRecord] = []                # drained by the driver
         self.checkpoints_written: list[tuple[str, int, str]] = []   # (tag, step, path), drained by the driver
         self.recovered = 0
@@ -174,7 +180,7 @@ class Coordinator:
     def state_dict(self) -> dict:
         return {"format": COORDINATOR_STATE_FORMAT, "index": self.index.state_dict(), "steps_done": self.steps_done,
                 "next_prompt": self.next_prompt, "version": self.index.version,
-                "history": {"fresh_rewards": list(self.fresh_rewards)},
+                "history": {"fresh_rewards": list(self.fresh_rewards), "elapsed_s": self._elapsed(self.last_step_end)},
                 "finish_reasons": dict(self.finish_reasons)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -185,6 +191,7 @@ class Coordinator:
         self.index.load_state_dict(state["index"], resume=True)
         self.steps_done, self.next_prompt = state["steps_done"], state["next_prompt"]
         self.fresh_rewards = list(state.get("history", {}).get("fresh_rewards", []))
+        self.elapsed_before = float(state.get("history", {}).get("elapsed_s", 0.0))
         self.finish_reasons = dict(state.get("finish_reasons", {}))
         self.checkpoint_tag = _tag(self.steps_done) if self.steps_done else ""
 
@@ -218,11 +225,12 @@ class Coordinator:
             return []
         self._reconcile()
         self.phase = "running"
+        self.started_at = now
         self.trainer_idle_since = now
         self.last_step_end = now
         out: list[Any] = []
         if self.steps_done >= self.steps:
-            self._finish(out)
+            self._finish(out, now)
             return out
         self._advance(out, now)
         return out
@@ -263,6 +271,9 @@ class Coordinator:
         self.steps_done += 1
         self._record_step(batch, now)
         self.trainer_idle_since = now
+        every = self.settings.eval_every
+        if (every and self.steps_done % every == 0) or self.steps_done >= self.steps:
+            out.append(Snapshot(self.trainers[0], self.steps_done, self.index.version, self._elapsed(now)))
         if self.steps_done % self.settings.sync_every == 0 or self.steps_done >= self.steps:
             self.want_sync = True
         self._advance(out, now)
@@ -320,8 +331,13 @@ class Coordinator:
             if silent:
                 raise Unresponsive(silent[0], f"watching rank {silent[0]} (no message or heartbeat)",
                                    self.settings.timeout_s)
+            budget = self.settings.time_budget_s
+            if budget and not self.stopped_early and self._elapsed(now) >= budget:
+                self.stop_requested = True                   # the training time is spent: end as at a preemption
+                self.stopped_early = f"time budget of {budget:g} s spent"
             if self.stop_requested:
                 self.stop_requested = False
+                self.stopped_early = self.stopped_early or "stop requested"
                 self.steps = min(self.steps, self.steps_done + (1 if self.batch is not None else 0))
                 if self.batch is None and self.steps_done % self.settings.sync_every != 0:
                     self.want_sync = True            # checkpointed weights must match the version
@@ -343,7 +359,8 @@ class Coordinator:
         return {"steps": self.steps_done, "version": self.index.version, "mode": self.rules.mode,
                 "reward_first_steps": _mean(rewards[:k]), "reward_last_steps": _mean(rewards[-k:]),
                 "buffer": self.index.gauges(), "finish_reasons": dict(self.finish_reasons),
-                "partial_rollouts": self.partial_rollouts, "accounting_ok": True}
+                "partial_rollouts": self.partial_rollouts, "train_seconds": self.train_seconds,
+                "stopped_early": self.stopped_early, "accounting_ok": True}
 
     # ------------------------------------------------------------------------------------------
     # Decisions
@@ -362,7 +379,7 @@ class Coordinator:
             return
         if self.steps_done >= self.steps:
             if not self.want_sync and not self.syncing and self.batch is None:
-                self._finish(out)
+                self._finish(out, now)
             return
         self._maybe_train(out, now)
         self._dispatch(out, now)
@@ -448,7 +465,8 @@ class Coordinator:
         for worker, samples in sorted(per_worker.items()):
             out.append(Dispatch(worker, tuple(samples)))
 
-    def _finish(self, out: list[Any]) -> None:
+    def _finish(self, out: list[Any], now: float) -> None:
+        self.train_seconds = self._elapsed(now)
         self._releases(self.index.shutdown(), out)
         self.generating.clear()
         self.phase = "finished"
@@ -484,6 +502,10 @@ class Coordinator:
     # ------------------------------------------------------------------------------------------
     # Helpers
     # ------------------------------------------------------------------------------------------
+
+    def _elapsed(self, now: float) -> float:
+        """Training time of the run at ``now``: this process set's, plus the earlier ones' before a resume."""
+        return self.elapsed_before + max(0.0, now - self.started_at) if self.phase == "running" else self.elapsed_before
 
     def _record_step(self, batch: Batch, now: float) -> None:
         idle = sum(max(0.0, self.rollout_idle[w] - self.idle_at_last_step.get(w, 0.0)) for w in self.rollouts)

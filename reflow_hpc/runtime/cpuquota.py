@@ -25,8 +25,9 @@ CONTROLLER = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000          # the kernel's default CFS period: the quota is a share of it
 
 
-def available(controller: Path = CONTROLLER) -> str | None:
+def available(controller: Path | None = None) -> str | None:
     """None when quotas can be set here, else why not (one line)."""
+    controller = controller or CONTROLLER
     if not (controller / "cpu.cfs_quota_us").is_file():
         return f"no cgroup-v1 cpu controller at {controller}"
     if not os.access(controller, os.W_OK):
@@ -34,11 +35,11 @@ def available(controller: Path = CONTROLLER) -> str | None:
     return None
 
 
-def group_dir(prefix: str, rank: int | str, controller: Path = CONTROLLER) -> Path:
-    return controller / f"{prefix}-rank{rank}"
+def group_dir(prefix: str, rank: int | str, controller: Path | None = None) -> Path:
+    return (controller or CONTROLLER) / f"{prefix}-rank{rank}"
 
 
-def join(fraction: float, prefix: str, rank: int | str, controller: Path = CONTROLLER) -> Path:
+def join(fraction: float, prefix: str, rank: int | str, controller: Path | None = None) -> Path:
     """Create the rank's group with its quota and move this process into it."""
     group = group_dir(prefix, rank, controller)
     group.mkdir(exist_ok=True)
@@ -48,7 +49,7 @@ def join(fraction: float, prefix: str, rank: int | str, controller: Path = CONTR
     return group
 
 
-def remove(prefix: str, ranks: int, controller: Path = CONTROLLER) -> None:
+def remove(prefix: str, ranks: int, controller: Path | None = None) -> None:
     """Remove the groups of a finished launch (they are empty once their ranks have exited)."""
     for rank in range(ranks):
         try:

@@ -47,7 +47,8 @@ def build_coordinator(cfg: Config, resume_from: Path | None = None) -> Coordinat
     settings = Settings(rules=rules(cfg.reflow.mode), steps=cfg.trainer.steps, sync_every=cfg.reflow.sync_every,
                         worker_cap=cfg.rollout.max_concurrency + cfg.scheduler.queue_samples,
                         checkpoint_every=cfg.checkpoint.every_steps, timeout_s=cfg.run.timeout_s,
-                        setup_timeout_s=cfg.run.setup_timeout_s)
+                        setup_timeout_s=cfg.run.setup_timeout_s, eval_every=cfg.run.eval_every_steps,
+                        time_budget_s=cfg.trainer.time_budget_s)
     coordinator = Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=cfg.resources.workers,
                               concurrency_cap=cfg.rollout.max_concurrency,
                               resume_from=str(resume_from) if resume_from else None)
@@ -113,9 +114,12 @@ class TrainingSide:
         return self._out(handler(source, msg, now))
 
     def on_tick(self, now: float) -> Outgoing:
-        if self.coordinator.stop_requested and self.coordinator.phase == "running":
-            print("coordinator: stop requested: finishing the current step and checkpointing", flush=True)
-        return self._out(self.coordinator.tick(now))
+        c = self.coordinator
+        before = c.stopped_early
+        out = c.tick(now)
+        if c.stopped_early != before:
+            print(f"coordinator: {c.stopped_early}: finishing the current step and checkpointing", flush=True)
+        return self._out(out)
 
     def done(self) -> bool:
         return self.coordinator.done

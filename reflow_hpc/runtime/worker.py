@@ -13,8 +13,8 @@ whenever it has requests in flight, steps the engine between them:
 - ``Sync`` → source: broadcast the weights in buckets; rollout: hold in-flight requests, load the
   weights, resume them (partial rollout); colocated: load the worker's own trainer weights.
 - ``Drop`` / ``Cancel`` → free payloads / stop samples that ended; ``Checkpoint`` / ``SaveCheckpoint``
-  → flush shards / write the checkpoint; ``Stop`` → close the store, copy the shards into the run
-  directory, shut down.
+  → flush shards / write the checkpoint; ``Snapshot`` → save the trainer's weights for evaluation
+  after the run; ``Stop`` → close the store, copy the shards into the run directory, shut down.
 
 Every wait is bounded: the coordinator's heartbeat must arrive within ``run.timeout_s``.
 """
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from ..comm.mpi import RankTimeout
 from ..config import to_dict
-from ..core.commands import Cancel, Checkpoint, Dispatch, Drop, SaveCheckpoint, Setup, Sync, Train
+from ..core.commands import Cancel, Checkpoint, Dispatch, Drop, SaveCheckpoint, Setup, Snapshot, Sync, Train
 from ..core.modes import rules
 from .context import Runtime
 from .messages import (CheckpointWritten, FinishedSample, Heartbeat, Ready, SamplesFailed, SamplesFinished,
@@ -61,7 +61,8 @@ class Worker:
         self.stopped = False
         self.handlers: dict[type, Callable[[Any], None]] = {
             Dispatch: self._dispatch, Train: self._train, Sync: self._sync, Drop: self._drop, Cancel: self._cancel,
-            Checkpoint: self._flush_for_checkpoint, SaveCheckpoint: self._save_checkpoint, Stop: self._stop,
+            Checkpoint: self._flush_for_checkpoint, SaveCheckpoint: self._save_checkpoint, Snapshot: self._snapshot,
+            Stop: self._stop,
         }
 
     # ------------------------------------------------------------------------------ set-up
@@ -292,6 +293,10 @@ class Worker:
                                trainer_state=self.trainer.state_dict(include_model=False), extra=extra,
                                keep_last=self.cfg.checkpoint.keep_last)
         self.rt.send(CheckpointWritten(self.rank, cmd.tag, str(path)))
+
+    def _snapshot(self, cmd: Snapshot) -> None:
+        from ..evaluation import save_snapshot
+        save_snapshot(self.cfg.run_dir, self.trainer.model, cmd.step, cmd.version, cmd.elapsed_s)
 
     def _stop(self, cmd: Stop) -> None:
         self.stopped = True
