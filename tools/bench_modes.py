@@ -1,7 +1,7 @@
 """The four pipeline modes side by side on the same config, seed, workers and batches.
 
     python tools/bench_modes.py [CONFIG] [--steps N] [--warmup-steps K] [--modes sync,reflow,...]
-                                [--peer trl] [--set section.key=value ...] [--json]
+                                [--cpu-quota Q] [--peer trl] [--set section.key=value ...] [--json]
 
 CONFIG defaults to ``configs/cpu_bench.toml`` (the calibrated workload) and ``--steps`` to its
 ``trainer.steps``. Each mode is one real run (``python -m reflow_hpc.run``: MPI ranks, engine,
@@ -11,8 +11,15 @@ the same warm-started policy with the same seed. Per mode it reports the paper's
 trainer and rollout idle ratios, final training reward, the end-of-run evaluation
 (``reflow_hpc.evaluation``: task prompts and held-out texts), and wall time; then the ratios
 reflow ÷ sync and reflow ÷ fully_async. ``--peer trl`` adds TRL's GRPOTrainer on the same model,
-task and reward (``tools/peer_trl.py``; needs the ``bench`` extra). With ``--json`` the last line
-is one JSON object.
+task and reward (``tools/peer_trl.py``; needs the ``bench`` extra), in a process held to the same
+total CPU share as our ranks together. With ``--json`` the last line is one JSON object.
+
+The baselines are their namesakes (``core/modes.py``): every mode syncs after every step, the
+baselines train without replay (σ = 0), and each run reports the smallest and largest staleness of
+any token it trained (the trainer refuses a token that breaks the mode's guarantee). Every rank is
+held to ``--cpu-quota`` of one core (``resources.cpu_quota``, default 0.45: four ranks on two
+cores), so that a waiting rank loses its time as on a dedicated GPU instead of lending its core to
+the others.
 """
 
 from __future__ import annotations
@@ -35,6 +42,15 @@ from reflow_hpc.metrics import read_jsonl  # noqa: E402
 MODES = ("sync", "one_step_off", "fully_async", "reflow")
 
 
+def mode_sets(mode: str) -> list[str]:
+    """The overrides that make a run of ``mode`` a true instance of it (before the user's own)."""
+    from reflow_hpc.core.modes import rules
+    sets = [f"reflow.mode={mode}", "reflow.sync_every=1"]
+    if not rules(mode).replays:
+        sets.append("reflow.sigma=0")
+    return sets
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
     return sum(xs) / len(xs) if xs else math.nan
@@ -42,10 +58,10 @@ def _mean(xs):
 
 def run_mode(config: str, mode: str, steps: int, warmup: int, sets: list[str], out: Path, timeout: float) -> dict:
     name = f"bench-{mode}"
-    args = [sys.executable, "-m", "reflow_hpc.run", config, "--set", f"reflow.mode={mode}",
+    args = [sys.executable, "-m", "reflow_hpc.run", config,
             "--set", f"trainer.steps={steps}", "--set", f"run.output_dir={out}", "--set", f"run.name={name}",
             "--set", f"storage.dir={out / 'scratch' / mode}", "--set", "checkpoint.resume=false"]
-    for s in sets:
+    for s in mode_sets(mode) + sets:
         args += ["--set", s]
     t0 = time.monotonic()
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -65,6 +81,8 @@ def run_mode(config: str, mode: str, steps: int, warmup: int, sets: list[str], o
         "idle_ratio/rollout": _mean(m["idle_ratio/rollout"] for m in measured),
         "replay_fraction": _mean(m["replay_fraction"] for m in measured),
         "staleness/mean": _mean(m["staleness/mean"] for m in measured),
+        "token_staleness": [min(m["trainer/token_staleness_min"] for m in metrics),
+                            max(m["trainer/token_staleness_max"] for m in metrics)],
         "sync_seconds": _mean(m["sync_seconds"] for m in measured),
         "reward_first_steps": summary.get("reward_first_steps"),
         "reward_last_steps": summary.get("reward_last_steps"),
@@ -89,7 +107,8 @@ def _time_split(measured: list[dict]) -> dict:
 def table(rows: list[dict]) -> str:
     cols = [("system", "system", "{}"), ("mode", "mode", "{}"), ("tok/s", "throughput_tokens_per_s", "{:.0f}"),
             ("idle T", "idle_ratio/trainer", "{:.1%}"), ("idle R", "idle_ratio/rollout", "{:.1%}"),
-            ("replay", "replay_fraction", "{:.2f}"), ("reward first", "reward_first_steps", "{:.3f}"),
+            ("replay", "replay_fraction", "{:.2f}"), ("staleness", "token_staleness", "{0[0]}..{0[1]}"),
+            ("reward first", "reward_first_steps", "{:.3f}"),
             ("reward last", "reward_last_steps", "{:.3f}"), ("eval start", "eval/task/start_reward", "{:.3f}"),
             ("eval final", "eval/task/final_reward", "{:.3f}"), ("held-out", "eval/held_out/final_reward", "{:.3f}"),
             ("train s", "train_seconds", "{:.1f}"),
@@ -112,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default: trainer.steps)")
     ap.add_argument("--warmup-steps", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--cpu-quota", type=float, default=0.45,
+                    help="share of one core every rank is held to (resources.cpu_quota; 0 = none)")
     ap.add_argument("--peer", choices=("trl",), default=None)
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--out", default=None, help="directory for the runs (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    args.sets = [f"resources.cpu_quota={args.cpu_quota}", *args.sets]
     cfg = load(args.config, args.sets)
     if args.steps is None:
         args.steps = cfg.trainer.steps
@@ -131,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_mode(args.config, mode, args.steps, args.warmup_steps, args.sets, out, args.timeout))
     if args.peer == "trl":
         sys.path.insert(0, str(ROOT / "tools"))
-        from peer_trl import run_trl
+        from peer_trl import run_trl_held
         print("bench_modes: running TRL GRPOTrainer ...", file=sys.stderr, flush=True)
-        peer = run_trl(cfg, steps=args.steps, log=lambda *a, **k: None)
+        peer = run_trl_held(args.config, args.sets, cpu_share=cfg.resources.workers * args.cpu_quota,
+                            steps=args.steps, timeout=args.timeout)
         peer.setdefault("mode", "GRPOTrainer")
         rows.append(peer)
     by = {r["mode"]: r for r in rows if r.get("system") == "reflow_hpc"}
@@ -161,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target reflow idle: trainer {r['idle_ratio/trainer']:.1%} (≤ 10%), rollout {r['idle_ratio/rollout']:.1%} (≤ 2%)")
     if args.json:
         print(json.dumps({"config": args.config, "steps": args.steps, "warmup_steps": args.warmup_steps,
+                          "cpu_quota": args.cpu_quota,
                           "rows": rows, "ratios": ratios, "out": str(out)}))
     return 0
 

@@ -58,6 +58,7 @@ import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from reflow_hpc.config import ConfigError, load, main_guard
@@ -254,6 +255,38 @@ def table(result: dict) -> str:
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += [f"differs from ours: {m}" for m in result.get("mismatches", [])]
     return "\n".join(lines)
+
+
+def run_trl_held(config: str, sets: list[str], *, cpu_share: float, steps: int | None = None,
+                 max_seconds: float | None = None, timeout: float = 3600) -> dict:
+    """:func:`run_trl` in a subprocess held to ``cpu_share`` cores (``resources.cpu_quota`` of every
+    rank times the ranks: the same total CPU as our runs get; 0 = no quota). Returns its result."""
+    import subprocess
+
+    from reflow_hpc.runtime import cpuquota
+
+    cmd = [sys.executable, str(Path(__file__).resolve()), config, "--json",
+           "--threads", str(max(1, math.ceil(cpu_share)) if cpu_share > 0 else 2)]
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
+    if max_seconds is not None:
+        cmd += ["--max-seconds", str(max_seconds)]
+    for s in sets:
+        cmd += ["--set", s]
+    group = f"reflow-trl-{os.getpid()}"
+    held = cpu_share > 0 and cpuquota.available() is None
+    if held:
+        cmd = [sys.executable, "-m", "reflow_hpc.runtime.cpuquota", str(cpu_share), group, "--", *cmd]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PMI_RANK="0"))
+    finally:
+        if held:
+            cpuquota.remove(group, 1)
+    if r.returncode != 0:
+        raise RuntimeError(f"TRL peer failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    result["cpu_share"] = cpu_share if held else None
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
