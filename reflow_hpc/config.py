@@ -226,6 +226,9 @@ class TrainerConfig:
     adam_eps: float = opt(1e-8, "AdamW ε added to the root of the squared-gradient mean.", gt=0)
     allreduce_bucket_mb: float = opt(25.0, "Gradients are summed across trainer replicas in flat buckets of at "
                                            "most this many MB per dtype (a larger tensor travels alone).", gt=0)
+    check_replicas_every: int = opt(0, "Every this many steps the trainer replicas compare their parameters and "
+                                       "optimizer state (sums and sums of squares per tensor, one all-reduce) and "
+                                       "end the run naming the first tensor that differs (0 = never).", ge=0)
     sync_bucket_mb: float = opt(256.0, "Weight sync broadcasts the trainer's weights to the rollout workers in "
                                        "flat buckets of at most this many MB per dtype (a larger tensor travels "
                                        "alone); receivers hold at most about one bucket beyond their model.", gt=0)
@@ -236,9 +239,11 @@ class ResourcesConfig:
     """Workers and how they are split into pools: n_T·s_T + n_R·s_R = workers."""
     workers: int = opt(4, "W: worker processes (one per GPU, or per CPU slot on CPU).", ge=1)
     trainer_replicas: int = opt(2, "n_T: trainer replicas.", ge=0)
-    trainer_shard_size: int = opt(1, "s_T: workers per trainer replica (FSDP shard group; 1 on CPU).", ge=1)
+    trainer_shard_size: int = opt(1, "s_T: workers per trainer replica (an FSDP shard group; only 1 until sharded "
+                                     "trainers exist).", ge=1)
     rollout_instances: int = opt(2, "n_R: rollout engine instances.", ge=0)
-    rollout_tp_size: int = opt(1, "s_R: workers per rollout instance (tensor parallel).", ge=1)
+    rollout_tp_size: int = opt(1, "s_R: workers per rollout instance (tensor parallel; only 1 until a tensor-"
+                                  "parallel engine exists).", ge=1)
     device: str = opt("auto", "Device of every worker: auto = cuda when available, else cpu.",
                       choices=("auto", "cpu", "cuda"))
     cpu_threads: int = opt(1, "torch intra-op threads per worker on CPU.", ge=1)
@@ -250,11 +255,41 @@ class ResourcesConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Generation scheduling and placement."""
+    """The elastic pool and the adaptive generation scheduler of mode reflow (paper §5–§6; docs:
+    reflow_hpc/core/placement.py and core/scheduling.py). The baselines keep a static split and fixed
+    caps by definition: for them only queue_samples applies."""
+    elastic: bool = opt(True, "Move workers between the trainer and the rollout pool at sync points when the "
+                              "placement planner predicts a better balance (false: the static split of [resources]).")
+    placement_schedule: list[str] = opt([], "Switches at fixed steps instead of (or before) the planner's, as "
+                                            "\"STEP:TRAINER_REPLICAS\" (e.g. [\"50:1\", \"120:2\"]): after STEP the pool "
+                                            "switches to that many trainer replicas at the next sync point.")
+    cooldown_steps: int = opt(5, "Steps between two placement changes, at least.", ge=1)
+    placement_margin: float = opt(0.15, "A new placement must improve |log(fresh coverage / target)| by more than "
+                                        "this (hysteresis against noise).", ge=0)
+    placement_ema: float = opt(0.3, "Weight of the newest window in the planner's smoothed rates.", gt=0, le=1)
+    min_trainers: int = opt(1, "Fewest trainer replicas the planner may choose.", ge=1)
+    min_rollouts: int = opt(1, "Fewest rollout instances the planner may choose.", ge=1)
+    adaptive: bool = opt(True, "Adaptive generation scheduling: each rollout worker's concurrency cap follows its KV "
+                               "utilisation and preemptions, and dispatch admits a group only while the predicted "
+                               "KV tokens stay within rho of the budget (false: caps fixed at rollout.max_concurrency).")
+    control_interval_s: float = opt(2.0, "Seconds between two cap decisions for one worker (the slow controller).",
+                                    gt=0)
+    ema_alpha: float = opt(0.3, "Weight of the newest observation in the KV utilisation, preemption and length "
+                                "averages.", gt=0, le=1)
+    util_low: float = opt(0.6, "Below this smoothed KV utilisation the cap grows.", ge=0, le=1)
+    util_high: float = opt(0.85, "Above this smoothed KV utilisation the cap shrinks by one.", ge=0, le=1)
+    preemption_limit: float = opt(0.5, "Above this smoothed number of preemptions per control step the cap is cut.",
+                                  ge=0)
+    cap_increase: int = opt(2, "Requests added to a cap when the worker is under-used.", ge=1)
+    cap_decrease: float = opt(0.7, "Factor a cap is cut by when the worker preempts.", gt=0, lt=1)
+    cap_min: int = opt(1, "Smallest concurrency cap.", ge=1)
+    rho: float = opt(0.95, "Token-aware admission: a group goes to a worker only while its predicted KV tokens stay "
+                           "within this fraction of the worker's budget.", gt=0)
+    initial_tokens: float = opt(64.0, "Predicted tokens of a sample (prompt + response) before any finished.", gt=0)
     queue_samples: int = opt(32, "Samples a rollout worker may hold queued beyond its running slots: the "
-                                "coordinator dispatches to a worker while it holds fewer than "
-                                "rollout.max_concurrency + queue_samples unfinished samples (at least one group), "
-                                "which keeps its engine busy between dispatches.", ge=0)
+                                "coordinator dispatches to a worker while it holds fewer than its concurrency cap + "
+                                "queue_samples unfinished samples (at least one group), which keeps its engine busy "
+                                "between dispatches.", ge=0)
 
 
 @dataclass
@@ -306,6 +341,88 @@ class SlurmConfig:
 
 
 @dataclass
+class SimConfig:
+    """The discrete-event simulator (`python -m reflow_hpc.sim`): placement, model shape, hardware and
+    the cost model of generation, training, weight sync, role switches and tools (formulas in
+    `reflow_hpc/sim/costs.py`, sources in `configs/sim_*.toml`). Defaults: Qwen2.5-7B on H800."""
+    gpus: int = opt(0, "GPUs simulated (`--gpus` overrides); 0 = the [resources] split as it is, one simulated "
+                       "worker per rank.", ge=0)
+    worker_gpus: int = opt(0, "With sim.gpus > 0: GPUs one simulated worker stands for (a trainer replica, or "
+                              "rollout engines of resources.rollout_tp_size GPUs each); 0 = the smallest multiple of "
+                              "rollout_tp_size that keeps the workers at most sim.max_workers.", ge=0)
+    max_workers: int = opt(64, "Most simulated workers when sim.worker_gpus = 0 (the coordinator's dispatch and "
+                               "batch split cost grow with the workers).", ge=2)
+    trainer_fraction: float = opt(0.5, "Split modes with sim.gpus > 0: fraction of the workers that start as "
+                                       "trainers (the rest generate); mode reflow's elastic pool may move them.",
+                                  gt=0, lt=1)
+    model_params: float = opt(7.6e9, "N: parameters of the policy.", gt=0)
+    model_layers: int = opt(28, "n_l: decoder layers.", ge=1)
+    model_hidden: int = opt(3584, "d: hidden size.", ge=1)
+    kv_bytes_per_token: float = opt(57344.0, "κ: KV-cache bytes per token (layers × KV heads × head dim × 2 × 2 B).",
+                                    gt=0)
+    weight_bytes: float = opt(0.0, "M: bytes of the weights a sync moves (0 = 2·N, bf16).", ge=0)
+    gpu_flops: float = opt(989e12, "F: peak dense bf16 FLOP/s of one GPU.", gt=0)
+    gpu_hbm_bw: float = opt(3.35e12, "BW: HBM bytes/s of one GPU.", gt=0)
+    gpu_memory_bytes: float = opt(80e9, "HBM bytes of one GPU.", gt=0)
+    decode_base_s: float = opt(1.2e-3, "a: fixed time of one decode step (launch, sampling).", ge=0)
+    decode_bw_efficiency: float = opt(0.794, "Fraction of BW a decode step achieves reading weights and KV cache.",
+                                      gt=0, le=1)
+    decode_tp_efficiency: list[float] = opt([1.0, 0.737, 0.496, 0.318], "Per-GPU decode bandwidth at tensor-parallel "
+                                            "size 1, 2, 4, 8, relative to TP 1.")
+    decode_compute_efficiency: float = opt(0.354, "F_dec / F: FLOP rate of a large decode batch.", gt=0, le=1)
+    prefill_base_s: float = opt(0.005, "a_p: fixed time of one prefill (admission) batch.", ge=0)
+    prefill_efficiency: float = opt(0.354, "F_pre / F: FLOP rate of prefill.", gt=0, le=1)
+    kv_memory_fraction: float = opt(0.9, "u: fraction of HBM the engine may use for weights and KV cache.", gt=0, le=1)
+    kv_reserve_bytes: float = opt(4e9, "Bytes per GPU of that fraction kept for activations and CUDA graphs.", ge=0)
+    train_mfu: float = opt(0.33, "η: model FLOP utilisation of a training pass.", gt=0, le=1)
+    train_minibatches: int = opt(1, "Optimizer updates the modelled trainer makes per step (verl: batch ÷ "
+                                    "ppo_mini_batch_size); each costs sim.train_update_overhead_s. The policy version "
+                                    "still counts steps.", ge=1)
+    train_update_overhead_s: float = opt(0.0, "t_opt: time of one optimizer update beyond its FLOPs (exposed FSDP "
+                                              "collectives, optimizer, launch), independent of the replica's GPUs.",
+                                         ge=0)
+    logprob_recompute_modes: list[str] = opt([], "Modes whose trainer runs an extra forward pass for the old "
+                                                 "log-probs (verl's old_log_prob).")
+    sync_base_s: float = opt(0.02, "t₀: fixed time of a weight sync between split pools.", ge=0)
+    sync_bw_intra: float = opt(100e9, "Bytes/s of a weight broadcast inside one node.", gt=0)
+    sync_bw_inter: float = opt(8.25e9, "Bytes/s of a weight broadcast across nodes (pipelined; nearly independent "
+                                       "of the receivers).", gt=0)
+    sync_colocated_base_s: float = opt(0.0, "t₀c: fixed time of a colocated weight load (trainer → own engine).", ge=0)
+    sync_colocated_bw: float = opt(2.4e9, "B_c: bytes/s of a colocated weight load (resharding, engine sleep/wake "
+                                          "included).", gt=0)
+    switch_fixed_s: float = opt(3.0, "Fixed time of a role switch (process-group handles, KV-cache allocation).",
+                                ge=0)
+    switch_h2d_bw: float = opt(20e9, "B_h2d: host↔device bytes/s of parking or waking an engine.", gt=0)
+    switch_shard_bw: float = opt(100e9, "B_shard: bytes/s of the shard-local broadcast that builds a trainer.", gt=0)
+    tool_calls_mean: float = opt(0.0, "Mean tool calls per sample (Poisson, at most task.max_turns - 1); 0 = "
+                                      "single-turn.", ge=0)
+    tool_latency_median_s: float = opt(21.5, "Median latency of one tool call.", gt=0)
+    tool_latency_sigma: float = opt(1.53, "σ of the log-normal tool latency.", ge=0)
+    tool_latency_max_s: float = opt(600.0, "Longest tool call (the environment's timeout).", gt=0)
+    tool_observation_tokens: int = opt(100, "Tokens a tool observation adds to the context (prefilled, not trained "
+                                            "as generated tokens).", ge=0)
+    prompt_tokens: float = opt(150.0, "Median prompt length in tokens.", gt=0)
+    prompt_sigma: float = opt(0.3, "σ of the log-normal prompt length.", ge=0)
+    length_median: float = opt(2800.0, "Median response length of the main component (tokens; the cap is "
+                                       "rollout.max_new_tokens).", gt=0)
+    length_median2: float = opt(1000.0, "Median response length of the second component.", gt=0)
+    length_weight2: float = opt(0.0, "Probability that a prompt's responses follow the second component.", ge=0, le=1)
+    length_prompt_sigma: float = opt(0.5, "σ of a prompt's log median around its component's median.", ge=0)
+    length_group_sigma: float = opt(0.33, "σ of a response's log length around its prompt's median (lengths of "
+                                          "one group are correlated).", ge=0)
+    length_cap_prob: float = opt(0.0, "Probability that a response runs to the cap (a point mass at "
+                                      "rollout.max_new_tokens).", ge=0, le=1)
+    length_drift: float = opt(0.0, "Growth of the log medians per step of the policy that generates (drift over "
+                                   "training; 0.0072 = ×10 in 320 steps).")
+    setup_s: float = opt(0.0, "Time from the start until every worker is ready.", ge=0)
+    checkpoint_flush_s: float = opt(0.01, "Time a worker takes to flush its shards for a checkpoint.", ge=0)
+    checkpoint_write_s: float = opt(0.02, "Time the writer takes to write a checkpoint.", ge=0)
+    tick_s: float = opt(10.0, "Period of the coordinator's timer (liveness, time budget) and of the heartbeats.",
+                        gt=0)
+    warmup_steps: int = opt(5, "Steps left out of the reported averages (paper: 5 warm-up, then measured).", ge=0)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -322,6 +439,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
     # Where the TOML came from (not a key): relative paths in error messages and dry runs.
     source: str = field(default="", repr=False, compare=False, metadata={"internal": True})
@@ -483,6 +601,22 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
         raise ConfigError("resources.workers", r.workers,
                           f"n_T·s_T + n_R·s_R = {r.trainer_replicas}·{r.trainer_shard_size} + "
                           f"{r.rollout_instances}·{r.rollout_tp_size} = {used} must equal workers")
+    for key, value in (("resources.trainer_shard_size", r.trainer_shard_size),
+                       ("resources.rollout_tp_size", r.rollout_tp_size)):
+        if value != 1:
+            raise ConfigError(key, value, "only 1 is supported: sharded trainers and tensor-parallel engines do not "
+                                          "exist yet (a larger value would silently mean more full replicas)")
+    sch = cfg.scheduler
+    for item in sch.placement_schedule:
+        step, _, n = item.partition(":")
+        if not (step.strip().isdigit() and n.strip().isdigit() and 1 <= int(n) < r.workers):
+            raise ConfigError("scheduler.placement_schedule", item,
+                              f"expected \"STEP:TRAINER_REPLICAS\" with 1 ≤ replicas < resources.workers ({r.workers})")
+    if sch.util_low > sch.util_high:
+        raise ConfigError("scheduler.util_low", sch.util_low, f"must be ≤ scheduler.util_high ({sch.util_high})")
+    if sch.min_trainers + sch.min_rollouts > r.workers:
+        raise ConfigError("scheduler.min_trainers", sch.min_trainers,
+                          f"scheduler.min_trainers + scheduler.min_rollouts must be ≤ resources.workers ({r.workers})")
     if cfg.reflow.mode != "sync" and (r.trainer_replicas == 0 or r.rollout_instances == 0):
         raise ConfigError("resources.trainer_replicas" if r.trainer_replicas == 0 else "resources.rollout_instances",
                           0, f"mode {cfg.reflow.mode} needs at least one trainer replica and one rollout instance")

@@ -25,7 +25,11 @@ Per-step names written by the coordinator:
 | ``buffer/*`` | replay-buffer gauges: ready, replay, training, pending, running, finished, one count per terminal reason, and ``evicted_unused`` (evicted stale before any training: generation spent for nothing) |
 | ``trainer/*`` | loss, pg_loss, kl, entropy, clip_fraction, grad_norm, lr, ... (replica mean; ``*max`` the largest, ``*_min`` the smallest) |
 | ``trainer/token_staleness_min``, ``trainer/token_staleness_max`` | over every token trained in the step: trainer version − the version that generated it (checked against the mode's guarantee by the trainer) |
-| ``rollout/concurrency_cap/<rank>`` | per-worker concurrency cap |
+| ``rollout/concurrency_cap/<rank>`` | the concurrency cap in force on each rollout worker (the adaptive scheduler's) |
+| ``role/<rank>``, ``pool/trainers``, ``pool/rollouts`` | every rank's role during the step, and the pool sizes |
+| ``role_switch_seconds/to_trainer``, ``role_switch_seconds/to_rollout`` | the slowest worker's switch, each direction, in the step a switch completed |
+| ``role_switch/handed_off`` | samples a worker leaving rollout handed over to the others, in a step with a switch |
+| ``placement/mismatch`` | the placement planner's abs(log(fresh coverage / (1−σ)·b)) for the split in force |
 
 Evaluation records (``"kind": "eval"``; step records carry no kind), one per policy scored after the run
 (``reflow_hpc.evaluation``; ``run.eval_every_steps``):
@@ -84,6 +88,16 @@ class StepMetrics:
             record[f"rollout/concurrency_cap/{w}"] = cap
         for reason, n in sorted(rec.finish_reasons.items()):
             record[f"finish_reason/{reason}"] = n
+        for w, role in sorted(rec.roles.items()):
+            record[f"role/{w}"] = role
+        record["pool/trainers"] = sum(1 for r in rec.roles.values() if r.startswith("trainer"))
+        record["pool/rollouts"] = sum(1 for r in rec.roles.values() if r.endswith("rollout"))
+        record["placement/mismatch"] = rec.placement_mismatch
+        for sw in rec.switches:
+            record["role_switch/handed_off"] = sw["handed_off"]
+            for direction in ("to_trainer", "to_rollout"):
+                if f"{direction}_s" in sw:
+                    record[f"role_switch_seconds/{direction}"] = sw[f"{direction}_s"]
         record.update(rec.gauges)
         record.update(step=rec.step + 1, version=rec.version)     # the gauges' own are the index's, after the step
         for k in sorted({k for rep in reports for k in rep.stats}):

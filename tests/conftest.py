@@ -26,6 +26,22 @@ def python_m(module: str, *args: str, **kw) -> subprocess.CompletedProcess:
     return run_cmd([sys.executable, "-m", module, *args], **kw)
 
 
+@pytest.fixture(scope="session")
+def policy_dir(tmp_path_factory) -> str:
+    """The warm-started tiny policy of the main job's config: the repository's when present, else a short
+    warm start shared by every test of the session."""
+    from reflow_hpc.config import load
+    cfg_path = str(ROOT / "configs" / "cpu_tiny.toml")
+    cfg = load(cfg_path)
+    if (ROOT / cfg.model.path / "config.json").is_file():
+        return str((ROOT / cfg.model.path).absolute())
+    out = tmp_path_factory.mktemp("policy") / "tiny"
+    r = python_m("reflow_hpc.warmstart", cfg_path, "--set", "warmstart.steps=40", "--set", "warmstart.eval_prompts=0",
+                 "--out", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    return str(out)
+
+
 def leftover_processes(marker: str, within_s: float = 30.0) -> list[str]:
     """Command lines of live processes that mention `marker` (a unique run name), once they had up
     to `within_s` to go (killed ranks of an aborted job may take a moment to be reaped)."""

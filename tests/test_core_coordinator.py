@@ -15,10 +15,12 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from reflow_hpc.core.commands import Cancel, Checkpoint, Dispatch, Drop, SaveCheckpoint, Setup, Snapshot, Sync, Train
+from reflow_hpc.core.commands import (Cancel, Checkpoint, Dispatch, Drop, Resume, SaveCheckpoint, Setup, Snapshot, Switch,
+                                     Sync, Train)
 from reflow_hpc.core.coordinator import Coordinator, Settings, Unresponsive
 from reflow_hpc.core.index import build_index
 from reflow_hpc.core.modes import MODES, ModeError, check, rules
+from reflow_hpc.core.scheduling import SchedulingSettings
 
 
 def reflow_section(mode, sigma, delta=1, b_max=0, sync_every=1):
@@ -27,17 +29,18 @@ def reflow_section(mode, sigma, delta=1, b_max=0, sync_every=1):
 
 
 def make(mode, *, steps=6, b=8, n=4, workers=4, trainers=2, sigma=0.5, delta=1, sync_every=1, cap=16, seed=0,
-         checkpoint_every=0, timeout_s=100.0, eval_every=0, time_budget_s=0.0):
+         checkpoint_every=0, timeout_s=100.0, eval_every=0, time_budget_s=0.0, schedule=()):
     sigma = sigma if rules(mode).replays else 0.0
     index = build_index(reflow_section(mode, sigma, delta, 0, sync_every), group_size=n, batch_size=b, seed=seed)
     ranks = list(range(workers))
     colocated = rules(mode).colocated
     tr = ranks if colocated else ranks[:trainers]
     ro = ranks if colocated else ranks[trainers:]
-    s = Settings(rules=rules(mode), steps=steps, sync_every=sync_every, worker_cap=cap,
-                 checkpoint_every=checkpoint_every, timeout_s=timeout_s, setup_timeout_s=timeout_s,
-                 eval_every=eval_every, time_budget_s=time_budget_s)
-    return Coordinator(s, index, trainers=tr, rollouts=ro, world=workers, concurrency_cap=cap)
+    s = Settings(rules=rules(mode), steps=steps, sync_every=sync_every, cap_max=cap,
+                 scheduling=SchedulingSettings(queue=0), checkpoint_every=checkpoint_every, timeout_s=timeout_s,
+                 setup_timeout_s=timeout_s, eval_every=eval_every, time_budget_s=time_budget_s,
+                 placement_schedule=tuple(schedule))
+    return Coordinator(s, index, trainers=tr, rollouts=ro, world=workers)
 
 
 def simulate(mode, *, train_time=1.0, seed=0, **kw):
@@ -52,8 +55,12 @@ def simulate(mode, *, train_time=1.0, seed=0, **kw):
     token_versions: dict[int, set] = {}
     busy_until = {w: 0.0 for w in ranks}
     log = {"batches": [], "trained_versions": [], "syncs": [], "checkpoints": [], "max_outstanding": 0,
-           "train_overlap_gen": False, "setups": [], "snapshots": []}
+           "train_overlap_gen": False, "setups": [], "snapshots": [], "switches": [], "handed_off": [],
+           "resumed": [], "finished_on": {}}
     training = set()
+    in_flight: dict[int, set] = {w: set() for w in ranks}     # samples each worker is generating
+    rollouts = set(ranks if rules(mode).colocated else ranks[kw.get("trainers", 2):])
+    before = [set(rollouts)]                                  # the rollout pool before a switch round
 
     def push(t, kind, *args):
         nonlocal seq
@@ -66,14 +73,36 @@ def simulate(mode, *, train_time=1.0, seed=0, **kw):
                 log["setups"].append(cmd)
                 push(now + 0.1, "ready", cmd.worker)
             elif isinstance(cmd, Dispatch):
+                assert cmd.worker in rollouts, f"dispatch to rank {cmd.worker}, not a rollout worker"
                 for s in cmd.samples:
                     start = max(now, busy_until[cmd.worker]) if rules(mode).batch_level else now
                     d = rng.choice([0.2, 0.3, 0.4, 2.5])          # long tail
                     token_versions[s.sample_id] = {loads[cmd.worker]}    # commands run in order
+                    in_flight[cmd.worker].add(s.sample_id)
                     push(start + d, "finish", cmd.worker, s.sample_id)
                     if cmd.worker in training:
                         log["train_overlap_gen"] = True
+            elif isinstance(cmd, Switch):
+                if set(cmd.rollouts) != rollouts:              # the first Switch of a round
+                    before[:] = [set(rollouts)]
+                handed = []
+                if cmd.worker in before[0] and cmd.worker not in cmd.rollouts:    # leaves rollout: hands over
+                    handed = sorted(in_flight[cmd.worker])
+                    in_flight[cmd.worker].clear()
+                    log["handed_off"] += handed
+                push(now + 0.1, "switched", cmd.worker, handed)
+                log["switches"].append((now, cmd.worker, cmd.trainers, cmd.rollouts))
+                rollouts.clear()
+                rollouts.update(cmd.rollouts)
+            elif isinstance(cmd, Resume):
+                assert cmd.worker in rollouts
+                for s in cmd.samples:
+                    token_versions[s.sample_id].add(loads[cmd.worker])    # continues under its weights
+                    in_flight[cmd.worker].add(s.sample_id)
+                    log["resumed"].append((s.sample_id, cmd.source, cmd.worker))
+                    push(now + rng.choice([0.1, 0.3, 1.0]), "finish", cmd.worker, s.sample_id)
             elif isinstance(cmd, Train):
+                assert rules(mode).colocated or cmd.worker not in rollouts
                 training.add(cmd.worker)
                 assert cmd.samples
                 log["trained_versions"].append((cmd.step, cmd.version,
@@ -101,8 +130,12 @@ def simulate(mode, *, train_time=1.0, seed=0, **kw):
             run(c.ready(args[0], [], [], now))
         elif kind == "finish":
             w, sid = args
+            if sid not in in_flight[w]:
+                continue                            # handed over to another worker
+            in_flight[w].discard(sid)
             if sid not in index:
                 continue
+            log["finished_on"][sid] = w
             # a sync that happened while the sample was in flight adds the new version (partial rollout)
             vs = token_versions[sid] | {version_of[w]}
             token_versions[sid] = vs
@@ -113,11 +146,15 @@ def simulate(mode, *, train_time=1.0, seed=0, **kw):
             run(c.step_done(args[0], args[1], stats={"tokens": 1.0}, idle_s=0.0, fetch_s=0.0, now=now))
             for rec in c.completed:
                 log["batches"].append(rec.batch)
+                log.setdefault("records", []).append(rec)
             c.completed.clear()
         elif kind == "sync":
             version_of[args[0]] = args[1]
             log["syncs"].append((args[0], args[1]))
             run(c.sync_done(args[0], args[1], seconds=0.05, resumed=0, now=now))
+        elif kind == "switched":
+            w, handed = args
+            run(c.switched(w, handed_off=handed, seconds=0.1, now=now))
         elif kind == "flushed":
             run(c.shards_flushed(args[0], args[1], {"rank": args[0]}, now=now))
         elif kind == "written":
@@ -202,6 +239,39 @@ def test_a_time_budget_ends_the_run_like_a_preemption():
     assert log["checkpoints"] == [(f"step_{c.steps_done:06d}", c.steps_done)]
     assert log["snapshots"][-1][0] == c.steps_done                # the trained policy is scored
     assert index.created == sum(index.terminal_counts().values())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_role_switches_both_ways_lose_nothing_and_keep_the_guarantee(seed):
+    """A schedule moves a rollout worker to training after step 3 and back after step 7; the samples it
+    was generating finish on another rollout worker, with tokens of the versions that made them."""
+    c, index, log = simulate("reflow", steps=10, trainers=2, seed=seed, train_time=0.3,
+                             schedule=[(3, 3), (7, 2)])
+    assert c.done and c.placements == [(3, 3), (7, 2)]
+    assert c.trainers == [0, 1] and c.rollouts == [2, 3]
+    # Every worker was told each time, and the pools changed only at sync points (no batch in training).
+    assert len(log["switches"]) == 8
+    assert log["handed_off"], "the worker leaving rollout held nothing in flight"
+    resumed = {sid: (src, dst) for sid, src, dst in log["resumed"]}
+    for sid in log["handed_off"]:
+        if sid in resumed:
+            src, dst = resumed[sid]
+            assert src == 2 and dst == 3                       # the only rollout worker left
+    assert index.created == sum(index.terminal_counts().values())
+    assert index.terminal_counts()["failed"] == index.terminal_counts()["lost"] == 0
+    assert all(rules("reflow").staleness_ok(s, 1, step) for step, s in trained_staleness(log))
+
+
+def test_every_step_record_names_every_rank_role_and_the_switches():
+    c = make("reflow", steps=6, schedule=[(2, 3)])
+    assert c.feasible_placements() == (2, 3)
+    _, _, log = simulate("reflow", steps=6, schedule=[(2, 3)], seed=1)
+    roles = [rec.roles for rec in log["records"]]
+    assert roles[0] == {0: "trainer", 1: "trainer", 2: "rollout", 3: "rollout"}
+    assert roles[-1] == {0: "trainer", 1: "trainer", 2: "trainer", 3: "rollout"}
+    switches = [sw for rec in log["records"] for sw in rec.switches]
+    assert [(sw["step"], sw["trainers"], sw["rollouts"]) for sw in switches] == [(2, 3, 1)]
+    assert switches[0]["to_trainer_s"] == 0.1
 
 
 def test_a_silent_worker_ends_the_run_naming_it():

@@ -9,51 +9,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from pathlib import Path
 
-import numpy as np
 import pytest
 
-from conftest import ROOT, leftover_processes, python_m
+from conftest import ROOT
+from loop_common import CFG, check_logprobs_by_version, run, shard_samples, terminal
 from reflow_hpc.metrics import read_jsonl
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-CFG = str(ROOT / "configs" / "cpu_tiny.toml")
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory) -> str:
-    """The warm-started tiny policy: the repository's when present, else a short warm start."""
-    from reflow_hpc.config import load
-    cfg = load(CFG)
-    if (Path(cfg.model.path) / "config.json").is_file():
-        return str(Path(cfg.model.path).absolute())
-    out = tmp_path_factory.mktemp("policy") / "tiny"
-    r = python_m("reflow_hpc.warmstart", CFG, "--set", "warmstart.steps=40", "--set", "warmstart.eval_prompts=0",
-                 "--out", str(out), timeout=600)
-    assert r.returncode == 0, r.stderr
-    return str(out)
-
-
-def run(tmp_path: Path, policy: str, *sets: str, name: str | None = None, timeout: float = 420):
-    name = name or f"loop{uuid.uuid4().hex[:8]}"
-    args = ["--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}", "--set", f"model.path={policy}",
-            "--set", "model.warmstart=false", "--set", "run.eval_prompts=16", "--set", "run.timeout_s=90",
-            "--set", f"storage.dir={tmp_path / 'scratch'}", "--set", "trainer.micro_batch_size=8"]
-    for s in sets:
-        args += ["--set", s]
-    r = python_m("reflow_hpc.run", CFG, *args, timeout=timeout)
-    run_dir = tmp_path / name
-    assert r.returncode == 0, f"run failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    assert leftover_processes(name) == []
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return run_dir, metrics, summary, r
-
-
-def _terminal(summary: dict) -> int:
-    b = summary["buffer"]
-    return sum(b[f"buffer/{k}"] for k in ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost"))
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async", "reflow"])
@@ -88,7 +51,7 @@ def test_each_mode_runs_with_invariants(tmp_path, policy_dir, mode):
     if mode == "one_step_off":
         assert all(m["staleness/max"] == 1 for m in metrics[1:])
     # Every sample created ended in exactly one terminal state (nothing live after the run).
-    assert summary["accounting_ok"] and summary["buffer"]["buffer/created"] == _terminal(summary)
+    assert summary["accounting_ok"] and summary["buffer"]["buffer/created"] == terminal(summary)
     assert summary["buffer"]["buffer/lost"] == 0 and summary["buffer"]["buffer/failed"] == 0
     assert 0 <= summary["buffer"]["buffer/evicted_unused"] <= summary["buffer"]["buffer/evicted_stale"]
     assert "of the evicted never trained" in r.stdout
@@ -111,25 +74,9 @@ def test_each_mode_runs_with_invariants(tmp_path, policy_dir, mode):
         assert 0.0 <= summary[f"eval/{k}"] <= 1.0
 
 
-def _versions_by_step(run_dir: Path):
-    from reflow_hpc.storage.reader import ShardReader
-    out = []
-    for d in sorted((run_dir / "shards").glob("rank*")):
-        reader = ShardReader(d)
-        ids = list(reader.ids())
-        out += reader.get(ids)
-    return out
-
-
 def test_partial_rollout_spans_a_sync_under_new_weights(tmp_path, policy_dir):
     """A sample interrupted by a sync carries two versions; tokens of each version are exactly what
     that version's weights produce (log-probs recomputed from the per-step checkpoints)."""
-    import torch
-
-    from reflow_hpc.policy import load_policy
-    from reflow_hpc.train.checkpoint import load_model_weights
-    from reflow_hpc.train.loss import token_logprobs
-
     # A sync finds requests in flight only if the step's dispatch window is not used up before the
     # step ends. With b_max = 32 a fast rollout pool often drained it (no partials at 3 of 4 syncs
     # here, none at all on a faster machine); with a window far beyond what the pool generates in one
@@ -141,28 +88,9 @@ def test_partial_rollout_spans_a_sync_under_new_weights(tmp_path, policy_dir):
         "rollout.max_new_tokens=96", "rollout.max_concurrency=32", "reflow.b_max=1024", "reflow.delta=2")
     partials = [m["partial_rollouts"] for m in metrics]          # cumulative, one entry per step
     assert all(b > a for a, b in zip(partials, partials[1:])), f"a sync resumed nothing: {partials}"
-    samples = [t for t in _versions_by_step(run_dir) if len(set(t.versions[t.versions >= 0].tolist())) > 1]
+    samples = [t for t in shard_samples(run_dir) if len(set(t.versions[t.versions >= 0].tolist())) > 1]
     assert samples, "no sample carries tokens of two versions"
-    model, _ = load_policy(policy_dir, "float32", "cpu")
-    temperature = 1.0
-    checked = 0
-    for t in samples[:4]:
-        for v in sorted(set(t.versions[t.versions >= 0].tolist())):
-            step_dir = run_dir / "checkpoints" / f"step_{v:06d}"
-            if v == 0:
-                model, _ = load_policy(policy_dir, "float32", "cpu")
-            else:
-                load_model_weights(model, step_dir / "model")
-            with torch.no_grad():
-                ids = torch.from_numpy(t.tokens.astype(np.int64))[None]
-                logits = model(input_ids=ids).logits[0, :-1]
-                logp, _ = token_logprobs(logits, ids[0, 1:], temperature)
-            mask = t.versions[1:] == v
-            got = t.logprobs[1:][mask]
-            want = logp.numpy()[mask]
-            assert np.max(np.abs(got - want)) < 1e-4, (t.sample_id, v, np.max(np.abs(got - want)))
-            checked += 1
-    assert checked >= 2
+    assert check_logprobs_by_version(run_dir, policy_dir, samples[:4]) >= 2
 
 
 def test_usr2_checkpoints_then_resume_continues_without_losing_flushed_samples(tmp_path, policy_dir):
@@ -205,6 +133,6 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_flushed_samples(t
     assert [m["step"] for m in m2] == list(range(1, 9))      # metrics appended after the first steps
     assert s2["steps"] == 8 and m2[-1]["version"] >= m1[-1]["version"]
     # One accounting identity over both process sets; every flushed sample is back or accounted.
-    assert s2["buffer"]["buffer/created"] == _terminal(s2)
+    assert s2["buffer"]["buffer/created"] == terminal(s2)
     assert s2["buffer"]["buffer/created"] > s1["buffer"]["buffer/created"]
     assert s2["buffer"]["buffer/lost"] == 0

@@ -19,6 +19,7 @@ class Setup:
     colocated: bool                 # every worker generates and trains (sync mode)
     version: int                    # policy version of the weights below
     resume_from: str | None         # checkpoint directory, or None for a fresh start
+    placements: tuple[int, ...] = ()   # trainer replica counts the elastic pool may take (one group set each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +110,32 @@ class Snapshot:
     step: int
     version: int
     elapsed_s: float
+
+
+@dataclass(frozen=True)
+class Switch:
+    """Every worker, at a sync point: the pools change to ``trainers`` / ``rollouts``. A worker that leaves
+    rollout holds its in-flight samples for others to fetch and reports them; one that leaves training puts
+    its trainer to sleep and wakes its engine (the weights come with the next sync); a new trainer replica
+    receives parameters and optimizer state from the replica named in ``transfers`` (source, destination)."""
+    worker: int
+    trainers: tuple[int, ...]
+    rollouts: tuple[int, ...]
+    version: int
+    transfers: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Continue these samples, which ``source`` was generating when it left rollout: fetch their partial
+    responses (tokens, log-probs, per-token versions) from it and go on under your weights."""
+    worker: int
+    samples: tuple[DispatchedSample, ...]
+    source: int
+
+
+@dataclass(frozen=True)
+class SetCap:
+    """Run at most ``cap`` requests at once (the adaptive generation scheduler's concurrency cap)."""
+    worker: int
+    cap: int

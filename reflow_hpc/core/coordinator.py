@@ -18,6 +18,16 @@ same events and carry out the same commands (:mod:`reflow_hpc.core.commands`); i
   model, the optimizer, the coordinator's state and every manifest, and reports the path.
 - **the step records** (:class:`StepRecord`): what is known of each finished step, drained by the
   driver (``metrics.StepMetrics`` turns them into metrics).
+- **the elastic pool** (split modes): which workers train and which generate. Trainers are the
+  first ``n_T`` ranks, rollout workers the rest. After each step the placement planner
+  (:mod:`reflow_hpc.core.placement`, or a fixed schedule) may ask for another ``n_T``; the switch
+  happens at the next sync point (:meth:`_switch`): every worker gets a :class:`Switch`, a worker
+  that leaves rollout hands its in-flight samples over (they are re-dispatched to the remaining
+  rollout workers as :class:`Resume`, partial tokens and versions intact), a new trainer replica
+  receives parameters and optimizer state from an existing one, and the sync that follows gives
+  the new rollout workers the current weights.
+- **generation scheduling** (:mod:`reflow_hpc.core.scheduling`): each rollout worker's concurrency
+  cap from its engine's load, and token-aware admission when dispatching.
 
 Modes (DESIGN §9)
 -----------------
@@ -43,11 +53,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .commands import (Cancel, Checkpoint, Dispatch, DispatchedSample, Drop, SaveCheckpoint, Setup, Snapshot,
-                       Sync, Train, TrainSample)
+from .commands import (Cancel, Checkpoint, Dispatch, DispatchedSample, Drop, Resume, SaveCheckpoint, SetCap, Setup,
+                       Snapshot, Switch, Sync, Train, TrainSample)
 from .index import Batch, RecoveredSample, Release, ReplayIndex
 from .modes import ModeRules
-from .sample import FINISHED, READY, REPLAY
+from .placement import PlacementPlanner, PlacementSettings, Window
+from .sample import FINISHED, GENERATING, READY, REPLAY
+from .scheduling import EngineLoad, GenerationScheduler, SchedulingSettings
 
 COORDINATOR_STATE_FORMAT = 1
 
@@ -66,7 +78,11 @@ class Settings:
     rules: ModeRules
     steps: int                   # optimizer steps of the run
     sync_every: int              # steps between weight syncs
-    worker_cap: int              # samples dispatched to one rollout worker and not finished
+    cap_max: int                 # engine slots of a rollout worker (rollout.max_concurrency)
+    kv_budget: int = 16384       # KV budget of a rollout worker in tokens, until its engine reports one
+    scheduling: SchedulingSettings = SchedulingSettings()
+    placement: PlacementSettings | None = None   # the planner's settings; None: the split never changes
+    placement_schedule: tuple[tuple[int, int], ...] = ()   # (after step, trainer replicas): switches forced
     checkpoint_every: int = 0    # steps between checkpoints (0: only at the end)
     timeout_s: float = 120.0     # a worker silent this long ends the run
     setup_timeout_s: float = 240.0   # the same before every worker is ready (models load, groups join)
@@ -101,6 +117,10 @@ class StepRecord:
     concurrency_caps: dict[int, int]
     gauges: dict
     finish_reasons: dict[str, int]   # finished samples so far, by how generation ended
+    roles: dict[int, str] = field(default_factory=dict)      # every rank's role during the step
+    switches: list[dict] = field(default_factory=list)      # role switches that completed during the step
+    produced: int = 0            # fresh samples that finished during the step
+    placement_mismatch: float = float("nan")   # the planner's |log(coverage / target)| of the split in force
 
 
 @dataclass
@@ -119,18 +139,34 @@ class Coordinator:
     """See the module docstring. Construct, optionally :meth:`load_state_dict`, then :meth:`begin`."""
 
     def __init__(self, settings: Settings, index: ReplayIndex, *, trainers: list[int], rollouts: list[int],
-                 world: int, concurrency_cap: int = 0, resume_from: str | None = None):
+                 world: int, resume_from: str | None = None):
         rules = settings.rules
         if not trainers or not rollouts:
             raise ValueError("the coordinator needs at least one trainer and one rollout worker")
         if rules.colocated and sorted(trainers) != sorted(rollouts):
             raise ValueError(f"mode {rules.mode} is colocated: trainers and rollout workers must be the same ranks")
-        if settings.worker_cap < index.group_size:
-            raise ValueError(f"worker cap {settings.worker_cap} < group size {index.group_size}: "
-                             f"no group could be dispatched")
+        if settings.cap_max + settings.scheduling.queue < index.group_size:
+            raise ValueError(f"a rollout worker holds at most {settings.cap_max + settings.scheduling.queue} samples "
+                             f"< group size {index.group_size}: no group could be dispatched")
         self.settings, self.rules, self.index = settings, rules, index
         self.trainers, self.rollouts = list(trainers), list(rollouts)
         self.workers = list(range(world))
+        elastic = settings.placement is not None or settings.placement_schedule
+        if elastic and (rules.colocated or self.trainers + self.rollouts != self.workers):
+            raise ValueError("an elastic pool needs split pools: trainers first, then rollout workers")
+        self.planner = PlacementPlanner(settings.placement, len(self.trainers)) if settings.placement else None
+        self.generation = GenerationScheduler(settings.scheduling, self.rollouts, cap_max=settings.cap_max,
+                                              kv_budget=settings.kv_budget)
+        self.pending_placement: int | None = None            # trainer replicas to switch to at the next sync point
+        self.switching: set[int] = set()                     # workers that have not reported the switch done
+        self.switch_started_at = 0.0
+        self.switch_from: tuple[list[int], list[int]] = ([], [])
+        self.handed_off: dict[int, list[int]] = {}          # leaving rollout worker -> samples it held
+        self.switch_seconds: dict[str, float] = {}
+        self.switches_done: list[dict] = []                  # for the next step record
+        self.placements: list[tuple[int, int]] = []          # (step, trainer replicas) at every change
+        self.handed_over = 0                                 # samples handed from a leaving rollout worker to another
+        self.produced = 0                                    # fresh samples finished since the last step
         self.resume_from = resume_from
         self.steps = settings.steps
         self.steps_done = 0
@@ -138,7 +174,7 @@ class Coordinator:
         self.fresh_rewards: list[float] = []       # mean reward of each step's unused samples
         self.checkpoint_tag = ""                   # the newest checkpoint taken (or resumed from)
         # Decisions.
-        self.outstanding = {w: 0 for w in self.rollouts}     # dispatched to w and not finished
+        self.outstanding = {w: 0 for w in self.workers}      # dispatched to w and not finished
         self.generating: dict[int, int] = {}                 # sample id -> worker
         self.batch: Batch | None = None
         self.batch_composed_at = 0.0
@@ -157,11 +193,10 @@ class Coordinator:
         self.last_seen: dict[int, float] = {}
         self.setup_started_at = 0.0
         self.last_step_end = 0.0
-        self.rollout_idle = {w: 0.0 for w in self.rollouts}  # cumulative, as reported
+        self.rollout_idle = {w: 0.0 for w in self.workers}   # cumulative, as reported
         self.idle_at_last_step = dict(self.rollout_idle)
-        self.generated = {w: 0 for w in self.rollouts}       # cumulative generated tokens, as reported
+        self.generated = {w: 0 for w in self.workers}        # cumulative generated tokens, as reported
         self.generated_at_last_step = 0
-        self.concurrency_cap = concurrency_cap
         self.partial_rollouts = 0
         self.finish_reasons: dict[str, int] = {}
         self.stop_requested = False
@@ -180,8 +215,9 @@ class Coordinator:
     def state_dict(self) -> dict:
         return {"format": COORDINATOR_STATE_FORMAT, "index": self.index.state_dict(), "steps_done": self.steps_done,
                 "next_prompt": self.next_prompt, "version": self.index.version,
-                "history": {"fresh_rewards": list(self.fresh_rewards), "elapsed_s": self._elapsed(self.last_step_end)},
-                "finish_reasons": dict(self.finish_reasons)}
+                "history": {"fresh_rewards": list(self.fresh_rewards), "elapsed_s": self._elapsed(self.last_step_end),
+                            "placements": [list(p) for p in self.placements]},
+                "finish_reasons": dict(self.finish_reasons), "trainer_replicas": len(self.trainers)}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from a checkpoint's state: samples in flight then end as aborted, the rest is pooled again
@@ -194,6 +230,12 @@ class Coordinator:
         self.elapsed_before = float(state.get("history", {}).get("elapsed_s", 0.0))
         self.finish_reasons = dict(state.get("finish_reasons", {}))
         self.checkpoint_tag = _tag(self.steps_done) if self.steps_done else ""
+        self.placements = [tuple(p) for p in state.get("history", {}).get("placements", [])]
+        n_t = state.get("trainer_replicas", len(self.trainers))
+        if not self.rules.colocated and n_t != len(self.trainers):        # the split in force at the checkpoint
+            self._set_pools(n_t)
+            if self.planner is not None:
+                self.planner.applied(n_t)
 
     # ------------------------------------------------------------------------------------------
     # Inbound events
@@ -205,17 +247,32 @@ class Coordinator:
         self.setup_started_at = now
         self.last_seen = {w: now for w in self.workers}
         return [Setup(w, tuple(self.trainers), tuple(self.rollouts), self.rules.colocated, self.index.version,
-                      self.resume_from) for w in self.workers]
+                      self.resume_from, self.feasible_placements()) for w in self.workers]
+
+    def feasible_placements(self) -> tuple[int, ...]:
+        """Trainer replica counts the pool may take (workers prepare a process group for each)."""
+        if self.planner is not None:
+            return tuple(self.planner.feasible())
+        return tuple(sorted({len(self.trainers), *(n for _, n in self.settings.placement_schedule)}))
 
     def heard(self, worker: int, now: float) -> None:
         """Any message from ``worker`` (liveness)."""
         self.last_seen[worker] = now
 
     def rollout_progress(self, worker: int, *, idle_s: float, generated_tokens: int) -> None:
-        """A rollout worker's cumulative idle time and generated tokens (heartbeats, finished samples)."""
-        if worker in self.rollout_idle:
-            self.rollout_idle[worker] = max(self.rollout_idle[worker], idle_s)
-            self.generated[worker] = max(self.generated[worker], generated_tokens)
+        """A worker's cumulative rollout idle time and generated tokens (heartbeats, finished samples)."""
+        self.rollout_idle[worker] = max(self.rollout_idle[worker], idle_s)
+        self.generated[worker] = max(self.generated[worker], generated_tokens)
+
+    def engine_load(self, worker: int, load: EngineLoad, now: float) -> list[Any]:
+        """A rollout worker's engine load: the slow controller may change its concurrency cap."""
+        if worker not in self.rollouts or self.rules.colocated:
+            return []
+        if self.generation.observe(worker, load, now):
+            out: list[Any] = [SetCap(worker, self.generation.caps[worker])]
+            self._advance(out, now)            # a higher cap admits more
+            return out
+        return []
 
     def ready(self, worker: int, inventory: list[RecoveredSample], lost: list[int], now: float) -> list[Any]:
         """``worker`` built what its role needs; ``inventory`` / ``lost``: what its shards held at a resume."""
@@ -236,12 +293,16 @@ class Coordinator:
         return out
 
     def sample_finished(self, worker: int, sample_id: int, *, reward: float, min_version: int, max_version: int,
-                        loss_tokens: int, finish_reason: str, now: float, location: Any = None) -> list[Any]:
+                        loss_tokens: int, finish_reason: str, now: float, location: Any = None,
+                        total_tokens: int = 0) -> list[Any]:
+        """``total_tokens``: prompt + response (the KV footprint the scheduler predicts); 0 = loss_tokens."""
         out: list[Any] = []
         self._forget_generating(sample_id)
         self.finish_reasons[finish_reason] = self.finish_reasons.get(finish_reason, 0) + 1
+        self.generation.finished(total_tokens or loss_tokens)
         if sample_id not in self.index:          # ended while in flight (shutdown, cancel)
             return out
+        self.produced += 1
         self._releases(self.index.finished(sample_id, owner=worker, reward=reward, min_version=min_version,
                                            max_version=max_version, loss_tokens=loss_tokens, now=now,
                                            location=location), out)
@@ -270,6 +331,7 @@ class Coordinator:
         self._releases(self.index.bump_version(), out)       # the trainer's weights are one step newer
         self.steps_done += 1
         self._record_step(batch, now)
+        self._plan(now)
         self.trainer_idle_since = now
         every = self.settings.eval_every
         if (every and self.steps_done % every == 0) or self.steps_done >= self.steps:
@@ -288,6 +350,29 @@ class Coordinator:
         self.sync_slowest = max(self.sync_slowest, seconds)
         if not self.syncing:
             self.sync_seconds = self.sync_slowest
+        self._advance(out, now)
+        return out
+
+    def switched(self, worker: int, *, handed_off: list[int], seconds: float, now: float) -> list[Any]:
+        """``worker`` carried out the :class:`Switch`; ``handed_off``: samples it was generating and now
+        holds for the remaining rollout workers to fetch."""
+        out: list[Any] = []
+        if worker not in self.switching:
+            raise ValueError(f"switch: unexpected report from rank {worker}")
+        self.switching.discard(worker)
+        old_trainers, old_rollouts = self.switch_from
+        if worker in old_rollouts and worker in self.trainers:
+            direction = "to_trainer"
+        elif worker in old_trainers and worker in self.rollouts:
+            direction = "to_rollout"
+        else:
+            direction = ""
+        if direction:
+            self.switch_seconds[direction] = max(self.switch_seconds.get(direction, 0.0), seconds)
+        if handed_off:
+            self.handed_off[worker] = list(handed_off)
+        if not self.switching:
+            self._switch_done(out, now)
         self._advance(out, now)
         return out
 
@@ -360,6 +445,7 @@ class Coordinator:
                 "reward_first_steps": _mean(rewards[:k]), "reward_last_steps": _mean(rewards[-k:]),
                 "buffer": self.index.gauges(), "finish_reasons": dict(self.finish_reasons),
                 "partial_rollouts": self.partial_rollouts, "train_seconds": self.train_seconds,
+                "placements": [list(p) for p in self.placements], "handed_over": self.handed_over,
                 "stopped_early": self.stopped_early, "accounting_ok": True}
 
     # ------------------------------------------------------------------------------------------
@@ -368,6 +454,10 @@ class Coordinator:
 
     def _advance(self, out: list[Any], now: float) -> None:
         if self.phase != "running":
+            return
+        if self.switching:
+            return                                   # the pools are changing: nothing moves meanwhile
+        if self._maybe_switch(out, now):
             return
         self._maybe_sync(out, now)
         if self.checkpoint is not None:
@@ -450,10 +540,9 @@ class Coordinator:
             return                                   # colocated: no generation while training
         n = self.index.group_size
         per_worker: dict[int, list[DispatchedSample]] = {}
-        cap = self.settings.worker_cap
         while self.index.can_dispatch_group():
-            worker = min(self.rollouts, key=lambda w: (self.outstanding[w], w))
-            if self.outstanding[worker] + n > cap:
+            worker = self.generation.choose({w: self.outstanding[w] for w in self.rollouts}, n)
+            if worker is None:
                 break
             group = self.index.new_group(self.next_prompt, now=now, worker=worker)
             self.next_prompt += 1
@@ -464,6 +553,90 @@ class Coordinator:
                 DispatchedSample(sid, group.group_id, group.prompt_id) for sid in group.sample_ids)
         for worker, samples in sorted(per_worker.items()):
             out.append(Dispatch(worker, tuple(samples)))
+
+    # ------------------------------------------------------------------------------------------
+    # The elastic pool
+    # ------------------------------------------------------------------------------------------
+
+    def _set_pools(self, n_trainers: int) -> None:
+        self.trainers, self.rollouts = self.workers[:n_trainers], self.workers[n_trainers:]
+        for w in self.workers:
+            if w in self.rollouts:
+                self.generation.add_worker(w)
+            else:
+                self.generation.remove_worker(w)
+
+    def _plan(self, now: float) -> None:
+        """After a step: does the placement planner (or the schedule) want another split?"""
+        forced = [n for step, n in self.settings.placement_schedule if step == self.steps_done]
+        if forced and forced[-1] != len(self.trainers):
+            self.pending_placement = forced[-1]
+        elif self.planner is not None and self.completed:
+            rec = self.completed[-1]
+            step_s = max(rec.done_at - rec.started_at, 1e-9)
+            idle_t = _mean([r.idle_s for r in rec.replicas]) / step_s if rec.replicas else 0.0
+            idle_r = rec.rollout_idle_s / (rec.rollout_workers * step_s) if rec.rollout_workers else 0.0
+            new = self.planner.observe(Window(rec.produced, step_s, min(1.0, idle_t), min(1.0, idle_r)))
+            rec.placement_mismatch = self.planner.last_mismatch
+            if new is not None and self.steps_done < self.steps:
+                self.pending_placement = new
+
+    def _maybe_switch(self, out: list[Any], now: float) -> bool:
+        """At a sync point, with nothing in training: change the pools (module docstring)."""
+        n_t = self.pending_placement
+        if n_t is None or not self.want_sync or self.batch is not None or self.syncing or self.checkpoint:
+            return False
+        self.pending_placement = None
+        if n_t == len(self.trainers):
+            return False
+        old_t, old_r = list(self.trainers), list(self.rollouts)
+        self.switch_from = (old_t, old_r)
+        self._set_pools(n_t)
+        joining = [w for w in self.trainers if w not in old_t]
+        transfers = tuple((old_t[i % len(old_t)], w) for i, w in enumerate(joining))
+        for w in self.workers:
+            out.append(Switch(w, tuple(self.trainers), tuple(self.rollouts), self.index.version, transfers))
+        self.switching = set(self.workers)
+        self.switch_started_at = now
+        self.switch_seconds = {}
+        self.handed_off = {}
+        return True
+
+    def _switch_done(self, out: list[Any], now: float) -> None:
+        """Every worker switched: record it, sync the new rollout pool, re-dispatch what was handed off."""
+        self.placements.append((self.steps_done, len(self.trainers)))
+        if self.planner is not None:
+            self.planner.applied(len(self.trainers))
+        handed = sum(len(ids) for ids in self.handed_off.values())
+        self.handed_over += handed
+        self.switches_done.append({"step": self.steps_done, "trainers": len(self.trainers),
+                                   "rollouts": len(self.rollouts), "seconds": now - self.switch_started_at,
+                                   "handed_off": handed, **{f"{k}_s": v for k, v in self.switch_seconds.items()}})
+        self._maybe_sync(out, now)                   # before any resumed sample generates: current weights first
+        old_rollouts = self.switch_from[1]
+        for w in self.rollouts:
+            if w not in old_rollouts:                # its engine may still hold an old cap
+                out.append(SetCap(w, self.generation.caps[w]))
+        for source, ids in sorted(self.handed_off.items()):
+            per_worker: dict[int, list[DispatchedSample]] = {}
+            for sid in ids:
+                if sid not in self.index or self.index.sample(sid).state not in GENERATING:
+                    continue                         # it ended meanwhile (cancelled, shut down)
+                rec = self.index.sample(sid)
+                worker = self.generation.choose({w: self.outstanding[w] for w in self.rollouts}, 1) \
+                    or min(self.rollouts, key=lambda w: (self.outstanding[w], w))
+                self._forget_generating(sid)
+                self.index.reassign(sid, worker)
+                self.generating[sid] = worker
+                self.outstanding[worker] += 1
+                per_worker.setdefault(worker, []).append(DispatchedSample(sid, rec.group_id, rec.prompt_id))
+            for worker, samples in sorted(per_worker.items()):
+                out.append(Resume(worker, tuple(samples), source))
+        self.handed_off = {}
+
+    def roles(self) -> dict[int, str]:
+        return {w: ("trainer+rollout" if w in self.trainers and w in self.rollouts else
+                    "trainer" if w in self.trainers else "rollout") for w in self.workers}
 
     def _finish(self, out: list[Any], now: float) -> None:
         self.train_seconds = self._elapsed(now)
@@ -519,8 +692,11 @@ class Coordinator:
             rollout_idle_s=idle, rollout_workers=len(self.rollouts),
             generated_tokens=generated - self.generated_at_last_step, sync_seconds=self.sync_seconds,
             partial_rollouts=self.partial_rollouts,
-            concurrency_caps={w: self.concurrency_cap for w in self.rollouts},
-            gauges=self.index.gauges(), finish_reasons=dict(self.finish_reasons)))
+            concurrency_caps={w: self.generation.caps.get(w, self.settings.cap_max) for w in self.rollouts},
+            gauges=self.index.gauges(), finish_reasons=dict(self.finish_reasons), roles=self.roles(),
+            switches=self.switches_done, produced=self.produced))
+        self.switches_done = []
+        self.produced = 0
         self.reports = []
         self.generated_at_last_step = generated
         self.last_step_end = now

@@ -353,6 +353,15 @@ class ReplayIndex:
         self._recover_open = False
         return Group(gid, prompt_id, ids)
 
+    def reassign(self, sample_id: int, worker: int) -> None:
+        """A pending sample moves to another rollout worker (its first worker left rollout)."""
+        rec = self._live(sample_id, GENERATING, "reassign")
+        if rec.worker >= 0:
+            self._rank_discard(rec.worker, sample_id)
+        rec.worker = int(worker)
+        if worker >= 0:
+            self._rank_add(rec.worker, sample_id)
+
     def finished(self, sample_id: int, *, owner: int, reward: float, min_version: int, max_version: int,
                  loss_tokens: int, now: float = 0.0, location: Any = None,
                  base_weight: float = 1.0) -> list[Release]:

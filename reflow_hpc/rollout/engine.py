@@ -10,6 +10,7 @@ engine are interchangeable behind it:
 | ``abort_all() -> [Completion]`` | ``abort_request(ids)`` after reading the partial outputs  |
 | ``load_weights(state, v)``   | ``collective_rpc("load_weights")`` / ``model.load_weights(iter)`` |
 | ``sleep()`` / ``wake()``     | ``LLMEngine.sleep(level)`` / ``wake_up()``                   |
+| ``set_concurrency_cap(n)``   | the scheduler's ``max_num_seqs`` in force                    |
 | ``stats()``                  | scheduler stats: running, waiting, KV usage, preemptions     |
 
 A request is one sample. A partial sample returned by ``abort_all`` can be added again with its
@@ -116,6 +117,8 @@ class Engine(Protocol):
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
+
+    def set_concurrency_cap(self, cap: int) -> None: ...
 
     def stats(self) -> EngineStats: ...
 

@@ -9,6 +9,10 @@ Partial rollout (DESIGN §6): :meth:`EpisodeRunner.interrupt` moves every in-fli
 holding queue (``engine.abort_all``); after the weights are loaded :meth:`EpisodeRunner.resume`
 re-adds them, and the engine re-prefills prompt + partial response under the new weights, so one
 sample may carry tokens of several versions.
+
+Hand-off (a worker leaving rollout): :meth:`EpisodeRunner.hand_off` returns every sample in flight as
+a partial trajectory with its episode's state; :meth:`EpisodeRunner.resume_partial` on another
+worker continues it the same way, under that worker's weights.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class _Sample:
     prompt_tokens: np.ndarray
     episode: Episode
     turn_start: int = 0       # response index where the current model turn began
+    handed_from: int = -1     # the worker that began it and handed it over (-1: begun here)
 
 
 class EpisodeRunner:
@@ -103,6 +108,45 @@ class EpisodeRunner:
                 continue
             self.engine.add(c.as_request(self.sampling))
 
+    def hand_off(self) -> list[Trajectory]:
+        """Stop generating and return every sample in flight as a partial trajectory: prompt and response
+        so far with their log-probs and per-token versions, the episode's state in ``meta["handoff"]``.
+        Another worker continues it with :meth:`resume_partial`. The runner is empty afterwards."""
+        held, self._held = self._held + self.engine.abort_all(), []
+        out = []
+        for c in held:
+            s = self._live.pop(c.request_id, None)
+            if s is None or c.request_id in self._cancelled:
+                continue                     # ended at the coordinator meanwhile: nothing to hand over
+            p = len(s.prompt_tokens)
+            ep = s.episode
+            out.append(Trajectory(
+                sample_id=s.sample_id, group_id=s.group_id, prompt_id=s.prompt_id,
+                tokens=np.concatenate([s.prompt_tokens, c.response]),
+                logprobs=np.concatenate([np.zeros(p, np.float32), c.logprobs]),
+                versions=np.concatenate([np.full(p, NOT_GENERATED, np.int32), c.versions]),
+                prompt_len=p, finish_reason="abort", owner=self.owner,
+                meta={"handoff": {"turn_start": s.turn_start, "turns": ep.turns, "tool_calls": ep.tool_calls,
+                                  "parts": [[text, gen] for text, gen in ep.parts]}}))
+        self._live.clear()
+        self._cancelled.clear()
+        return out
+
+    def resume_partial(self, partial: Trajectory, split: str = "train") -> None:
+        """Continue a sample another worker handed off (:meth:`hand_off`) under this engine's weights."""
+        prompt = self.task.prompt(partial.prompt_id, split)
+        p = partial.prompt_len
+        state = partial.meta["handoff"]
+        episode = self.task.start(prompt)
+        episode.turns, episode.tool_calls = state["turns"], state["tool_calls"]
+        episode.parts = [(text, bool(gen)) for text, gen in state["parts"]]
+        tokens = np.asarray(partial.tokens[:p], dtype=np.int32)
+        self._live[partial.sample_id] = _Sample(partial.sample_id, partial.group_id, partial.prompt_id, prompt,
+                                                tokens, episode, turn_start=state["turn_start"],
+                                                handed_from=partial.owner)
+        self.engine.add(Request(partial.sample_id, tokens, self.sampling, partial.tokens[p:],
+                                partial.logprobs[p:], partial.versions[p:]))
+
     def abandon(self) -> list[int]:
         """End of run: drop everything in flight; returns their ids."""
         self.engine.abort_all()
@@ -153,5 +197,6 @@ class EpisodeRunner:
             prompt_len=p, reward=float(s.episode.reward()), finish_reason=s.episode.finish_reason,
             owner=self.owner,
             # `version` stands in for the token versions of a sample that generated nothing.
-            meta={"turns": s.episode.turns, "answer": s.prompt.answer, "version": int(self.engine.version)},
+            meta={"turns": s.episode.turns, "answer": s.prompt.answer, "version": int(self.engine.version),
+                  **({"handed_from": s.handed_from} if s.handed_from >= 0 else {})},
         )

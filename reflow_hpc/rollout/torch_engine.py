@@ -92,6 +92,7 @@ class TorchEngine:
         self.version = int(version)
         self.seed = int(seed)
         self.max_concurrency = max_concurrency
+        self.concurrency_cap = max_concurrency      # what may run at once: the scheduler lowers it under KV pressure
         self.kv_budget_tokens = kv_budget_tokens
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
@@ -223,6 +224,11 @@ class TorchEngine:
         self._cache.allocate()
         self._asleep = False
 
+    def set_concurrency_cap(self, cap: int) -> None:
+        """Run at most ``cap`` requests at once (1 to ``max_concurrency``, the slots); running requests above
+        a lowered cap finish, none is preempted for it."""
+        self.concurrency_cap = max(1, min(int(cap), self.max_concurrency))
+
     def stats(self) -> EngineStats:
         n = len(self._running)
         return EngineStats(running=n, queued=len(self._queue), kv_tokens_used=int(self._length[:n].sum()),
@@ -337,7 +343,7 @@ class TorchEngine:
 
     def _admit(self) -> list[_Sequence]:
         used, prefill_tokens, admitted = self._kv_needed(), 0, []
-        while self._queue and len(self._running) < self.max_concurrency:
+        while self._queue and len(self._running) < self.concurrency_cap:
             seq = self._queue[0]
             c = len(seq.tokens)
             if used + c > self.kv_budget_tokens:

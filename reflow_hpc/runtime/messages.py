@@ -93,6 +93,7 @@ class FinishedSample:
     loss_tokens: int
     finish_reason: str              # how generation ended: stop | length | turns
     location: Any = None            # [segment, row] of its shard row on the owner
+    total_tokens: int = 0           # prompt + response: its KV footprint, for the generation scheduler
 
 
 @dataclass
@@ -102,6 +103,18 @@ class Ready:
     inventory: list[dict]           # {sample_id, group_id, prompt_id, reward, min_version, max_version, loss_tokens,
     #                                  location}
     lost: list[int]                 # sample ids its shards lost in a crash
+    groups: int = 0                 # process groups it created (a set for every placement of the pool)
+    groups_s: float = 0.0           # and the seconds that took
+
+
+@dataclass
+class EngineReport:
+    """A rollout worker's engine load (the generation scheduler's input)."""
+    kv_tokens_used: int
+    kv_tokens_budget: int
+    preemptions: int                # cumulative
+    running: int
+    queued: int
 
 
 @dataclass
@@ -110,6 +123,7 @@ class SamplesFinished:
     samples: list[FinishedSample]
     idle_s: float                   # cumulative rollout idle seconds of this worker
     generated_tokens: int           # cumulative tokens its engine generated
+    load: EngineReport | None = None
 
 
 @dataclass
@@ -154,9 +168,19 @@ class CheckpointWritten:
 
 
 @dataclass
+class Switched:
+    """A worker carried out a role switch; ``handed_off``: the samples it was generating, held for the
+    remaining rollout workers to fetch."""
+    rank: int
+    handed_off: list[int]
+    seconds: float
+
+
+@dataclass
 class Heartbeat:
     """Either direction: I am alive (the service thread sends it while the main thread works). A rollout
-    worker's carries its cumulative idle time and generated tokens."""
+    worker's carries its cumulative idle time, generated tokens and engine load."""
     rank: int
     idle_s: float = 0.0
     generated_tokens: int = 0
+    load: EngineReport | None = None

@@ -61,9 +61,10 @@ class CheckSide:
 
 
 def write_topology(cfg: Config, hellos: list[Hello], reports: dict[int, CheckReport] | None, handshake_s: float,
-                   roles: dict[int, str] | None = None) -> Path:
+                   roles: dict[int, str] | None = None, timeline: list[dict] | None = None) -> Path:
     """``topology.json`` in the run directory: written by the self-check (with the collectives it
-    verified) and at the start of every training run (with each rank's role)."""
+    verified), at the start of every training run (with each rank's role) and after every role
+    switch (the roles then, and the timeline of placements: after which step how many trainers)."""
     from .topology import place
     placement = place([h.node for h in hellos])
     ranks = []
@@ -90,6 +91,8 @@ def write_topology(cfg: Config, hellos: list[Hello], reports: dict[int, CheckRep
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": to_dict(cfg),
     }
+    if timeline is not None:
+        doc["role_timeline"] = timeline
     if reports is not None:
         first = reports[0]
         doc["torch_distributed"] = {

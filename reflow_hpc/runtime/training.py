@@ -21,9 +21,11 @@ from ..config import Config, to_dict
 from ..core.coordinator import Coordinator, Settings
 from ..core.index import RecoveredSample, build_index
 from ..core.modes import rules
+from ..core.placement import PlacementSettings
+from ..core.scheduling import EngineLoad, SchedulingSettings
 from ..metrics import MetricsSink, StepMetrics
-from .messages import (CheckpointWritten, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished, ShardsFlushed,
-                       StepDone, SyncDone)
+from .messages import (CheckpointWritten, EngineReport, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished,
+                       ShardsFlushed, StepDone, Switched, SyncDone)
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
@@ -44,13 +46,27 @@ def build_coordinator(cfg: Config, resume_from: Path | None = None) -> Coordinat
     trainers, rollouts = pools(cfg)
     index = build_index(cfg.reflow, group_size=cfg.algorithm.group_size, batch_size=cfg.trainer.batch_size,
                         seed=cfg.run.seed, adv_eps=cfg.algorithm.adv_eps, adv_std_norm=cfg.algorithm.adv_std_norm)
+    sch, res = cfg.scheduler, cfg.resources
+    reflow = cfg.reflow.mode == "reflow"          # the baselines keep a static split and fixed caps
+    scheduling = SchedulingSettings(
+        adaptive=reflow and sch.adaptive, ema_alpha=sch.ema_alpha, control_interval_s=sch.control_interval_s,
+        util_low=sch.util_low, util_high=sch.util_high, preemption_limit=sch.preemption_limit,
+        increase=sch.cap_increase, decrease=sch.cap_decrease, cap_min=sch.cap_min, rho=sch.rho,
+        queue=sch.queue_samples, initial_tokens=sch.initial_tokens)
+    placement = PlacementSettings(
+        elastic=True, workers=res.workers, trainer_shard=res.trainer_shard_size, rollout_tp=res.rollout_tp_size,
+        min_trainers=sch.min_trainers, min_rollouts=sch.min_rollouts, batch_size=cfg.trainer.batch_size,
+        sigma=cfg.reflow.sigma, ema_alpha=sch.placement_ema, cooldown_steps=sch.cooldown_steps,
+        margin=sch.placement_margin) if reflow and sch.elastic else None
+    schedule = tuple((int(a), int(b)) for a, _, b in (x.partition(":") for x in sch.placement_schedule)) \
+        if reflow else ()
     settings = Settings(rules=rules(cfg.reflow.mode), steps=cfg.trainer.steps, sync_every=cfg.reflow.sync_every,
-                        worker_cap=cfg.rollout.max_concurrency + cfg.scheduler.queue_samples,
+                        cap_max=cfg.rollout.max_concurrency, kv_budget=cfg.rollout.kv_budget_tokens,
+                        scheduling=scheduling, placement=placement, placement_schedule=schedule,
                         checkpoint_every=cfg.checkpoint.every_steps, timeout_s=cfg.run.timeout_s,
                         setup_timeout_s=cfg.run.setup_timeout_s, eval_every=cfg.run.eval_every_steps,
                         time_budget_s=cfg.trainer.time_budget_s)
     coordinator = Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=cfg.resources.workers,
-                              concurrency_cap=cfg.rollout.max_concurrency,
                               resume_from=str(resume_from) if resume_from else None)
     if resume_from is not None:
         coordinator.load_state_dict(json.loads((resume_from / "extra" / "coordinator.json").read_text()))
@@ -81,7 +97,11 @@ class TrainingSide:
             SyncDone: lambda w, m, now: c.sync_done(w, m.version, seconds=m.seconds, resumed=m.resumed, now=now),
             ShardsFlushed: lambda w, m, now: c.shards_flushed(w, m.tag, m.manifest, now=now),
             CheckpointWritten: lambda w, m, now: c.checkpoint_written(w, m.tag, m.path, now=now),
+            Switched: lambda w, m, now: c.switched(w, handed_off=m.handed_off, seconds=m.seconds, now=now),
         }
+        self.hellos: list[Hello] = []
+        self.handshake_s = 0.0
+        self.setup_costs: list[tuple[int, float]] = []      # (process groups, seconds) of every rank
 
     def request_stop(self, signum: int = 0, _frame: Any = None) -> None:
         """Signal handler (rank 0 main thread): finish the current step, checkpoint, stop."""
@@ -93,9 +113,8 @@ class TrainingSide:
         from .selfcheck import write_topology
         c = self.coordinator
         self.started_at = now
-        roles = {r: ("trainer+rollout" if r in c.trainers and r in c.rollouts else
-                     "trainer" if r in c.trainers else "rollout") for r in c.workers}
-        write_topology(self.cfg, hellos, None, handshake_s, roles)
+        self.hellos, self.handshake_s = hellos, handshake_s
+        write_topology(self.cfg, hellos, None, handshake_s, c.roles())
         if self.resume_from is not None:
             print(f"coordinator: resuming from {self.resume_from} (step {c.steps_done}, version "
                   f"{c.index.version})", flush=True)
@@ -128,12 +147,19 @@ class TrainingSide:
 
     def _heartbeat(self, source: int, msg: Heartbeat, now: float) -> list:
         self.coordinator.rollout_progress(source, idle_s=msg.idle_s, generated_tokens=msg.generated_tokens)
-        return []
+        return self._load(source, msg.load, now)
+
+    def _load(self, source: int, load: EngineReport | None, now: float) -> list:
+        if load is None:
+            return []
+        return self.coordinator.engine_load(source, EngineLoad(load.kv_tokens_used, load.kv_tokens_budget,
+                                                               load.preemptions, load.running, load.queued), now)
 
     def _ready(self, source: int, msg: Ready, now: float) -> list:
         inventory = [RecoveredSample(s["sample_id"], s["group_id"], s["prompt_id"], source, s["reward"],
                                      s["min_version"], s["max_version"], s["loss_tokens"], s.get("location"))
                      for s in msg.inventory]
+        self.setup_costs.append((msg.groups, msg.groups_s))
         out = self.coordinator.ready(source, inventory, msg.lost, now)
         if self.coordinator.phase != "setup" and self.resume_from is not None:
             g = self.coordinator.index.gauges()
@@ -149,8 +175,9 @@ class TrainingSide:
         for s in msg.samples:
             out += c.sample_finished(source, s.sample_id, reward=s.reward, min_version=s.min_version,
                                      max_version=s.max_version, loss_tokens=s.loss_tokens,
-                                     finish_reason=s.finish_reason, location=s.location, now=now)
-        return out
+                                     finish_reason=s.finish_reason, location=s.location,
+                                     total_tokens=s.total_tokens, now=now)
+        return out + self._load(source, msg.load, now)
 
     def _samples_failed(self, source: int, msg: SamplesFailed, now: float) -> list:
         out: list = []
@@ -167,12 +194,21 @@ class TrainingSide:
             record = self.step_metrics(rec)
             self.metrics.write(record)
             self.metrics.progress(record)
+            for sw in rec.switches:
+                print(f"coordinator: after step {sw['step']} the pools are {sw['trainers']} trainer(s), "
+                      f"{sw['rollouts']} rollout worker(s) (switch {sw['seconds']:.2f} s)", flush=True)
+            if rec.switches:
+                from .selfcheck import write_topology
+                write_topology(self.cfg, self.hellos, None, self.handshake_s, c.roles(),
+                               timeline=[{"step": step, "trainer_replicas": n} for step, n in c.placements])
         c.completed.clear()
         for tag, _, path in c.checkpoints_written:
             print(f"coordinator: checkpoint {path} written", flush=True)
         c.checkpoints_written.clear()
         if c.done and not self.summary:
-            self.summary = {**c.summary(), "wall_seconds": time.time() - self.started_at}
+            self.summary = {**c.summary(), "wall_seconds": time.time() - self.started_at,
+                            "process_groups": max((n for n, _ in self.setup_costs), default=0),
+                            "process_groups_seconds": max((t for _, t in self.setup_costs), default=0.0)}
             self.metrics.close()
             (self.cfg.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
         return [(cmd.worker, cmd) for cmd in commands]

@@ -1,17 +1,24 @@
-"""The main thread of a worker during a training run (DESIGN §3, §6, §7).
+"""The main thread of a worker during a training run (DESIGN §3, §6, §7, §8).
 
 A worker is hybrid: its role — rollout, trainer, or both in colocated ``sync`` mode — is what the
-coordinator's :class:`~reflow_hpc.core.commands.Setup` says, and it builds what that role needs:
-the rollout engine with its episode runner and sample store (whose fetch server the service thread
-polls), the trainer with its fetch client, and the weight-sync endpoint. Then it carries out the
-coordinator's commands in the order they arrive (``handlers``: one method per command type) and,
-whenever it has requests in flight, steps the engine between them:
+coordinator's :class:`~reflow_hpc.core.commands.Setup` and later :class:`~reflow_hpc.core.commands.Switch`
+commands say. At set-up every worker builds both sides (pre-warm): the rollout engine with its
+episode runner and sample store (whose fetch server the service thread polls), the trainer with its
+fetch client, and, for every placement the elastic pool may take, the trainer replica group and the
+weight-sync group. The side its role does not use sleeps (on a GPU: offloaded). Then it carries out
+the coordinator's commands in the order they arrive (``handlers``: one method per command type)
+and, whenever it has requests in flight, steps the engine between them:
 
 - ``Dispatch`` → requests into the engine; finished samples go to the store (memory + shard) and
   their metadata to the coordinator.
 - ``Train`` → fetch payloads from their owners, one optimizer step, ``StepDone``.
 - ``Sync`` → source: broadcast the weights in buckets; rollout: hold in-flight requests, load the
   weights, resume them (partial rollout); colocated: load the worker's own trainer weights.
+- ``Switch`` → the pools change: leaving rollout, hand the samples in flight over (served to whoever
+  resumes them) and put the engine to sleep; joining the trainers, receive parameters and optimizer
+  state from an existing replica; leaving training, wake the engine (the next sync brings the
+  weights). ``Resume`` → fetch partial samples from the worker that handed them over and continue
+  them. ``SetCap`` → the engine's concurrency cap.
 - ``Drop`` / ``Cancel`` → free payloads / stop samples that ended; ``Checkpoint`` / ``SaveCheckpoint``
   → flush shards / write the checkpoint; ``Snapshot`` → save the trainer's weights for evaluation
   after the run; ``Stop`` → close the store, copy the shards into the run directory, shut down.
@@ -30,15 +37,33 @@ from typing import Any, Callable
 
 from ..comm.mpi import RankTimeout
 from ..config import to_dict
-from ..core.commands import Cancel, Checkpoint, Dispatch, Drop, SaveCheckpoint, Setup, Snapshot, Sync, Train
+from ..core.commands import (Cancel, Checkpoint, Dispatch, Drop, Resume, SaveCheckpoint, SetCap, Setup, Snapshot,
+                             Switch, Sync, Train)
 from ..core.modes import rules
 from .context import Runtime
-from .messages import (CheckpointWritten, FinishedSample, Heartbeat, Ready, SamplesFailed, SamplesFinished,
-                       ShardsFlushed, StepDone, Stop, SyncDone)
+from .messages import (CheckpointWritten, EngineReport, FinishedSample, Heartbeat, Ready, SamplesFailed,
+                       SamplesFinished, ShardsFlushed, StepDone, Stop, Switched, SyncDone)
 
 # A worker with nothing to generate blocks on its inbox this long at a time. A command wakes it at
 # once, so the value only bounds how often it checks that the coordinator is still heard from.
 IDLE_WAIT_S = 0.05
+
+
+class Holdings:
+    """What a worker's fetch server serves: its sample store, and the partial samples it handed over when
+    it left rollout (kept until its next switch; by then whoever resumes them has fetched them)."""
+
+    def __init__(self, store: Any):
+        self.store = store
+        self.partials: dict[int, Any] = {}
+
+    def get(self, ids: list[int]) -> list[Any]:
+        if all(i in self.partials for i in ids):
+            return [self.partials[i] for i in ids]
+        return self.store.get(ids)
+
+    def holds(self, sample_id: int) -> bool:
+        return sample_id in self.partials or self.store.holds(sample_id)
 
 
 class Worker:
@@ -53,16 +78,20 @@ class Worker:
         self.fetcher: Any = None
         self.trainer: Any = None
         self.tokenizer: Any = None
-        self.wsync: Any = None
         self.colocated = False
         self.rules = rules(self.cfg.reflow.mode)
-        self.idle_s = 0.0              # rollout idle: nothing in flight
+        self.trainers: tuple[int, ...] = ()
+        self.rollouts: tuple[int, ...] = ()
+        self.groups: dict[int, tuple[Any, Any]] = {}       # trainer replicas -> (replica group, sync group)
+        self.wsyncs: dict[int, Any] = {}                    # trainer replicas -> weight-sync endpoint
+        self.holdings: Holdings | None = None
+        self.idle_s = 0.0              # rollout idle: nothing in flight while in the rollout role
         self.trainer_idle_since = time.monotonic()
         self.stopped = False
         self.handlers: dict[type, Callable[[Any], None]] = {
             Dispatch: self._dispatch, Train: self._train, Sync: self._sync, Drop: self._drop, Cancel: self._cancel,
             Checkpoint: self._flush_for_checkpoint, SaveCheckpoint: self._save_checkpoint, Snapshot: self._snapshot,
-            Stop: self._stop,
+            Switch: self._switch, Resume: self._resume, SetCap: self._set_cap, Stop: self._stop,
         }
 
     # ------------------------------------------------------------------------------ set-up
@@ -74,47 +103,64 @@ class Worker:
 
         cfg, rank = self.cfg, self.rank
         self.colocated = msg.colocated
-        is_trainer = rank in msg.trainers
-        is_rollout = rank in msg.rollouts
+        self.trainers, self.rollouts = tuple(msg.trainers), tuple(msg.rollouts)
         init_process_group(self.rt.world, device=self.device, single_host=self.rt.single_host,
                            timeout_s=cfg.run.timeout_s, master_addr=cfg.run.master_addr)
-        # Every rank creates every group, in the same order (torch.distributed requires it).
+        # Every rank creates every group, in the same order (torch.distributed requires it): one replica
+        # group and one sync group per placement the pool may take, so that a switch needs no collective.
+        t0 = time.monotonic()
         deadline = datetime.timedelta(seconds=cfg.run.timeout_s)
-        trainer_group = dist.new_group(sorted(msg.trainers), timeout=deadline)
-        sync_group = None if msg.colocated else dist.new_group(sorted({msg.trainers[0], *msg.rollouts}),
-                                                                timeout=deadline)
+        world = self.rt.size
+        for n_t in msg.placements or (len(msg.trainers),):
+            trainers = list(msg.trainers) if msg.colocated else list(range(n_t))
+            rollouts = list(msg.rollouts) if msg.colocated else list(range(n_t, world))
+            replica_group = dist.new_group(trainers, timeout=deadline) if len(trainers) > 1 else None
+            sync_group = None if msg.colocated else dist.new_group(sorted({trainers[0], *rollouts}), timeout=deadline)
+            self.groups[len(trainers) if not msg.colocated else n_t] = (replica_group, sync_group)
+        self.group_setup_s = time.monotonic() - t0
 
         from ..policy import load_policy
         model, self.tokenizer = load_policy(cfg.model.path, cfg.model.dtype, self.device)
         if msg.resume_from:
             from ..train.checkpoint import load_model_weights
             load_model_weights(model, Path(msg.resume_from) / "model")
-        inventory: list[dict] = []
-        lost: list[int] = []
-        if is_trainer:
-            from ..train.trainer import Trainer
-            ref = None
-            if cfg.algorithm.kl_coef > 0:
-                ref, _ = load_policy(cfg.model.path, cfg.model.dtype, self.device)
-            train_model = copy.deepcopy(model) if is_rollout else model
-            self.trainer = Trainer(train_model, cfg, self.device, group=trainer_group if len(msg.trainers) > 1 else None,
-                                   ref_model=ref)
-            if msg.resume_from:
-                from ..train.checkpoint import load_checkpoint
-                load_checkpoint(msg.resume_from, trainer=self.trainer, restore_rng=False,
-                                map_location=self.device)
-        if is_rollout:
-            inventory, lost = self._build_rollout(model, msg)
-        if is_trainer:
-            from ..storage.fetch import FetchClient
-            self.fetcher = FetchClient(self.rt.data_comm, cfg.run.timeout_s, store=self.store,
-                                       poll_min_s=cfg.run.poll_min_s, poll_max_s=cfg.run.poll_max_s)
-        if sync_group is not None and (is_rollout or rank == msg.trainers[0]):
-            from ..train.weight_sync import WeightSync
-            src_model = self.trainer.model if rank == msg.trainers[0] else self.engine_model
-            self.wsync = WeightSync.for_model(src_model, src=msg.trainers[0], bucket_mb=cfg.trainer.sync_bucket_mb,
-                                              device=self.device, group=sync_group, timeout_s=cfg.run.timeout_s)
-        self.rt.send(Ready(rank, inventory, lost))
+        # Pre-warm: every worker holds a trainer and an engine (split modes: each on its own copy).
+        from ..train.trainer import Trainer
+        ref = None
+        if cfg.algorithm.kl_coef > 0:
+            ref, _ = load_policy(cfg.model.path, cfg.model.dtype, self.device)
+        replica_group = self._groups()[0]
+        self.trainer = Trainer(copy.deepcopy(model), cfg, self.device,
+                               group=replica_group if rank in self.trainers else None, ref_model=ref)
+        if msg.resume_from:
+            from ..train.checkpoint import load_checkpoint
+            load_checkpoint(msg.resume_from, trainer=self.trainer, restore_rng=False, map_location=self.device)
+        inventory, lost = self._build_rollout(model, msg)
+        if rank not in self.rollouts:
+            self.engine.sleep()
+        if rank not in self.trainers:
+            self.trainer.offload()
+        from ..storage.fetch import FetchClient
+        self.fetcher = FetchClient(self.rt.data_comm, cfg.run.timeout_s, store=self.store,
+                                   poll_min_s=cfg.run.poll_min_s, poll_max_s=cfg.run.poll_max_s)
+        groups = sum(g is not None for pair in self.groups.values() for g in pair)
+        self.rt.send(Ready(rank, inventory, lost, groups, self.group_setup_s))
+
+    def _groups(self) -> tuple[Any, Any]:
+        """(replica group, sync group) of the placement in force."""
+        return self.groups[len(self.trainers)] if not self.colocated else next(iter(self.groups.values()))
+
+    def _weight_sync(self) -> Any:
+        """The weight-sync endpoint of the placement in force (built on first use: it verifies the specs)."""
+        from ..train.weight_sync import WeightSync
+        n_t = len(self.trainers)
+        if n_t not in self.wsyncs:
+            src = self.trainers[0]
+            model = self.trainer.model if self.rank == src else self.engine_model
+            self.wsyncs[n_t] = WeightSync.for_model(model, src=src, bucket_mb=self.cfg.trainer.sync_bucket_mb,
+                                                    device=self.device, group=self._groups()[1],
+                                                    timeout_s=self.cfg.run.timeout_s)
+        return self.wsyncs[n_t]
 
     def _build_rollout(self, model: Any, msg: Setup) -> tuple[list[dict], list[int]]:
         from ..envs import make_task
@@ -137,7 +183,8 @@ class Worker:
             shard_dir.rename(aside)
             existing = False
         self.store = SampleStore(shard_dir, self.rank, cfg.storage, resume=existing)
-        server = FetchServer(self.rt.data_comm, self.store, send_timeout_s=cfg.run.timeout_s)
+        self.holdings = Holdings(self.store)
+        server = FetchServer(self.rt.data_comm, self.holdings, send_timeout_s=cfg.run.timeout_s)
         self.rt.service.add_poller(server.poll)
         inventory = []
         lost: list[int] = []
@@ -156,7 +203,7 @@ class Worker:
 
     def run(self) -> int:
         svc = self.rt.service
-        svc.heartbeat = lambda: self.rt.send(Heartbeat(self.rank, self.idle_s, self._generated_tokens()))
+        svc.heartbeat = lambda: self.rt.send(Heartbeat(self.rank, self.idle_s, self._generated_tokens(), self._load()))
         svc.heartbeat_s = self.cfg.run.heartbeat_s
         setup = self._wait(lambda m: isinstance(m, Setup), "waiting for setup")
         self.setup(setup)
@@ -164,7 +211,7 @@ class Worker:
             busy = self.runner is not None and self.runner.has_work()
             t0 = time.monotonic()
             cmd = svc.poll_command(0.0 if busy else IDLE_WAIT_S)
-            if not busy and self.runner is not None:
+            if not busy and self.rank in self.rollouts:
                 self.idle_s += time.monotonic() - t0        # nothing to generate: rollout idle
             if cmd is not None:
                 handler = self.handlers.get(type(cmd))
@@ -196,11 +243,18 @@ class Worker:
         self.store.put(finished)
         self.store.maybe_flush()
         metas = [FinishedSample(t.sample_id, t.reward, *t.version_span(), t.num_loss_tokens, t.finish_reason,
-                                self._location(t.sample_id)) for t in finished]
-        self.rt.send(SamplesFinished(self.rank, metas, self.idle_s, self._generated_tokens()))
+                                self._location(t.sample_id), len(t.tokens)) for t in finished]
+        self.rt.send(SamplesFinished(self.rank, metas, self.idle_s, self._generated_tokens(), self._load()))
 
     def _generated_tokens(self) -> int:
         return self.engine.stats().generated_tokens if self.engine is not None else 0
+
+    def _load(self) -> EngineReport | None:
+        """The engine's load while in the rollout role (the generation scheduler's input)."""
+        if self.engine is None or self.rank not in self.rollouts:
+            return None
+        st = self.engine.stats()
+        return EngineReport(st.kv_tokens_used, st.kv_tokens_budget, st.preemptions, st.running, st.queued)
 
     def _location(self, sample_id: int) -> list[int] | None:
         where = self.store.location(sample_id)
@@ -264,15 +318,51 @@ class Worker:
         if cmd.src is None:                                  # colocated: our own trainer's weights
             self.engine.load_weights(self.trainer.named_weights(), cmd.version)
         elif self.rank == cmd.src:
-            stats = self.wsync.send(self.trainer.named_weights())
+            stats = self._weight_sync().send(self.trainer.named_weights())
             nbytes = stats.bytes
         else:
+            wsync = self._weight_sync()
             resumed = self.runner.interrupt()
-            self.engine.load_weights(self.wsync.receive(), cmd.version)
+            self.engine.load_weights(wsync.receive(), cmd.version)
             self.runner.resume()
-            nbytes = self.wsync.bytes
+            nbytes = wsync.bytes
         self.rt.send(SyncDone(self.rank, cmd.version, time.monotonic() - t0, nbytes, resumed))
         self.trainer_idle_since = time.monotonic()        # broadcasting is work, not waiting
+
+    def _switch(self, cmd: Switch) -> None:
+        t0 = time.monotonic()
+        rank = self.rank
+        was_trainer, was_rollout = rank in self.trainers, rank in self.rollouts
+        now_trainer, now_rollout = rank in cmd.trainers, rank in cmd.rollouts
+        self.holdings.partials.clear()              # the previous switch's: fetched long since
+        handed: list[int] = []
+        if was_rollout and not now_rollout:         # to trainer: what is in flight goes to the others
+            partials = self.runner.hand_off()
+            self.holdings.partials.update((t.sample_id, t) for t in partials)
+            handed = [t.sample_id for t in partials]
+            self.engine.sleep()
+        if now_trainer and not was_trainer:
+            self.trainer.onload()
+        self.trainers, self.rollouts = tuple(cmd.trainers), tuple(cmd.rollouts)
+        self.trainer.set_group(self._groups()[0] if now_trainer else None)
+        for src, dst in cmd.transfers:               # a new replica: state from its counterpart, point to point
+            if rank == src:
+                self.trainer.send_state(dst)
+            elif rank == dst:
+                self.trainer.recv_state(src)
+        if was_trainer and not now_trainer:         # to rollout: the next sync brings the weights
+            self.trainer.offload()
+            self.engine.wake()
+        self.trainer_idle_since = time.monotonic()
+        self.rt.send(Switched(rank, handed, time.monotonic() - t0))
+
+    def _resume(self, cmd: Resume) -> None:
+        partials = self.fetcher.fetch({cmd.source: [s.sample_id for s in cmd.samples]})
+        for s in cmd.samples:
+            self.runner.resume_partial(partials[s.sample_id])
+
+    def _set_cap(self, cmd: SetCap) -> None:
+        self.engine.set_concurrency_cap(cmd.cap)
 
     def _flush_for_checkpoint(self, cmd: Checkpoint) -> None:
         self.rt.send(ShardsFlushed(self.rank, cmd.tag, self._flush_manifest()))

@@ -17,6 +17,11 @@ Rules it implements (DESIGN §7; the loss itself is :mod:`reflow_hpc.train.loss`
 - **Update.** Clip the global gradient norm to ``trainer.grad_clip`` (0 = report only), AdamW step,
   schedule step (:mod:`reflow_hpc.train.optim`). A non-finite gradient norm skips the update on
   every replica alike (metric ``nonfinite_grad``) instead of poisoning the weights.
+- **Replicas join.** When the elastic pool turns a worker into a new trainer replica, an existing
+  replica sends it its parameters, its AdamW state and its schedule point (:meth:`send_state` /
+  :meth:`recv_state`: point to point, in buckets of ``trainer.sync_bucket_mb``, every wait bounded);
+  then both use the new replica group (:meth:`set_group`). No full gather, no restart.
+  ``trainer.check_replicas_every`` compares every replica's parameters and optimizer state.
 - **Checks.** A sample whose first token is marked generated (nothing predicts it), a token outside
   the vocabulary, a non-finite advantage or weight, or an ``N_batch`` that differs from the loss
   tokens the replicas actually hold fails with one line naming the sample or the numbers.
@@ -33,6 +38,7 @@ update), ``grad_norm`` (before clipping), ``nonfinite_grad``, ``step`` (updates 
 from __future__ import annotations
 
 import math
+import pickle
 import time
 import warnings
 from dataclasses import dataclass
@@ -135,6 +141,11 @@ class Trainer:
         if self.replicas > 1:
             self._broadcast_parameters()
 
+    def set_group(self, group: Any) -> None:
+        """The replica group changed (a role switch): ``group`` holds every replica, None for one replica."""
+        self.group = group
+        self.replicas = dist.get_world_size(group) if group is not None else 1
+
     # ------------------------------------------------------------------ the step
 
     def train_step(self, items: Sequence[WeightedSample], batch_loss_tokens: int) -> dict[str, float]:
@@ -187,6 +198,9 @@ class Trainer:
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        every = tc.check_replicas_every
+        if every and self.step % every == 0:
+            self.check_replicas()
         t3 = self._now()
 
         metrics = loss_metrics(sums, maxima)
@@ -265,20 +279,91 @@ class Trainer:
                         lambda: dist.broadcast(p.data, src=src, group=self.group, async_op=True))
 
     def check_replicas(self) -> None:
-        """Raise unless every replica holds the same parameters (per-tensor sums and sums of squares)."""
+        """Raise unless every replica holds the same parameters and optimizer state (per-tensor sums and
+        sums of squares, compared by an all-reduce of their maxima and minima)."""
         if self.replicas == 1:
             return
+        named = self.state_tensors()
         with torch.no_grad():
-            local = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()])
-                                 for _, p in self._params]).reshape(-1)
+            local = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()])
+                                 for _, t in named]).reshape(-1)
         both = torch.cat([local, -local])
-        self._allreduce(both, dist.ReduceOp.MAX, "parameter checksums")
+        self._allreduce(both, dist.ReduceOp.MAX, "replica checksums")
         hi, lo = both[:len(local)], -both[len(local):]
         differ = (hi != lo).reshape(-1, 2).any(dim=1).nonzero().flatten().tolist()
         if differ:
-            names = [self._params[i][0] for i in differ]
+            names = [named[i][0] for i in differ]
             raise RuntimeError(f"rank {self.rank}: trainer replicas diverged after step {self.step}: "
                                f"{len(names)} tensors differ, first {names[0]}")
+
+    # ------------------------------------------------------------------ a replica joins
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters and AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) in a fixed order; state that
+        does not exist yet (no update so far) is created as AdamW would, zero."""
+        out = []
+        for name, p in self._params:
+            st = self.optimizer.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            out += [(name, p.data), (f"{name}.exp_avg", st["exp_avg"]), (f"{name}.exp_avg_sq", st["exp_avg_sq"]),
+                    (f"{name}.step", st["step"])]
+        return out
+
+    def send_state(self, dst: int) -> int:
+        """Send parameters, optimizer state and schedule to a new replica on rank ``dst``; returns bytes."""
+        if self._offloaded:
+            raise RuntimeError(f"rank {self.rank}: send_state from an offloaded trainer: call onload() first")
+        meta = pickle.dumps({"step": self.step, "scheduler": self.scheduler.state_dict(),
+                             "lrs": [g["lr"] for g in self.optimizer.param_groups]})
+        head = torch.tensor([len(meta)], dtype=torch.int64)
+        self._p2p(dist.isend, head, dst, "send_state: size")
+        self._p2p(dist.isend, torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst, "send_state: schedule")
+        named = self.state_tensors()
+        tensors = dict(named)
+        sent = 0
+        buckets = self._state_buckets(named)
+        for b in buckets:
+            flat = pack(b, [tensors[sp.name] for sp in b.specs], self.device)
+            self._p2p(dist.isend, flat, dst, f"send_state: {b.describe(len(buckets))}")
+            sent += b.nbytes
+        return sent
+
+    def recv_state(self, src: int) -> int:
+        """Receive what :meth:`send_state` on rank ``src`` sends: this replica becomes an exact copy."""
+        if self._offloaded:
+            self.onload()
+        head = torch.zeros(1, dtype=torch.int64)
+        self._p2p(dist.irecv, head, src, "recv_state: size")
+        raw = torch.empty(int(head[0]), dtype=torch.uint8)
+        self._p2p(dist.irecv, raw, src, "recv_state: schedule")
+        meta = pickle.loads(raw.numpy().tobytes())
+        named = self.state_tensors()
+        tensors = dict(named)
+        got = 0
+        buckets = self._state_buckets(named)
+        with torch.no_grad():
+            for b in buckets:
+                flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+                self._p2p(dist.irecv, flat, src, f"recv_state: {b.describe(len(buckets))}")
+                for sp, value in zip(b.specs, unpack(b, flat)):
+                    tensors[sp.name].copy_(value)
+                got += b.nbytes
+        self.scheduler.load_state_dict(meta["scheduler"])
+        for g, lr in zip(self.optimizer.param_groups, meta["lrs"]):
+            g["lr"] = lr
+        self.step = int(meta["step"])
+        self.optimizer.zero_grad(set_to_none=True)
+        return got
+
+    def _state_buckets(self, named: list[tuple[str, torch.Tensor]]) -> list:
+        return plan_buckets(specs_of(named), int(self.cfg.trainer.sync_bucket_mb * MB))
+
+    def _p2p(self, op: Any, tensor: torch.Tensor, peer: int, what: str) -> None:
+        bounded(self.rank, f"{what} ({'to' if op is dist.isend else 'from'} rank {peer})", self.timeout_s,
+                lambda: op(tensor, peer))
 
     def _now(self) -> float:
         if self.device.type == "cuda":

@@ -1,0 +1,124 @@
+"""Rollout/trainer placement (paper §6.2, Algorithm 1): how many workers train and how many generate.
+
+Producer–consumer model. Rollout workers produce samples; trainers consume ``b`` per step, of which
+at least ``(1−σ)·b`` must be unused (fresh). Over each window (one step) the planner measures:
+
+- ``produced``: fresh samples that finished in the window, ``n_R`` rollout workers;
+- ``step_s``: the window's wall time; ``idle_T``: the fraction of it the trainers waited for a batch;
+  ``idle_R``: the fraction the rollout workers had nothing to generate.
+
+Waiting is not capacity. A trainer that starved for data, or a rollout worker blocked by the
+dispatch window or the staleness bound, would have done more, so the planner corrects for it::
+
+    p = produced / (n_R · step_s · (1 − idle_R))      fresh samples per second of one busy rollout worker
+    t = step_s · (1 − idle_T) · n_T                    compute seconds of one step on one trainer replica
+
+Both are smoothed over windows with an exponential moving average of weight ``ema_alpha``.
+
+Feasible placements are every ``(n_T, n_R)`` with ``n_T·s_T + n_R·s_R = W``, ``n_T ≥ 1`` and
+``n_R ≥ 1`` (``s_T``, ``s_R``: workers per trainer replica and per rollout instance). For each the
+rates are extrapolated linearly (data-parallel replicas; independent engines)::
+
+    step'     = t / n_T'                  the trainer-bound step time
+    coverage' = p · n_R' · step'          fresh samples produced during one step
+    mismatch' = | log(coverage' / ((1 − σ)·b)) |
+
+and the placement with the smallest mismatch is proposed (ties: the current placement, then more
+rollout workers). It is applied only when (1) at least ``cooldown_steps`` steps passed since the
+last change, and (2) it improves the mismatch of the current placement by more than ``margin``
+(hysteresis: noise around a balance point does not move workers back and forth).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    elastic: bool = True
+    workers: int = 4                 # W
+    trainer_shard: int = 1           # s_T
+    rollout_tp: int = 1              # s_R
+    min_trainers: int = 1
+    min_rollouts: int = 1
+    batch_size: int = 32             # b
+    sigma: float = 0.5
+    ema_alpha: float = 0.3
+    cooldown_steps: int = 5
+    margin: float = 0.15             # in units of log
+
+
+@dataclass(frozen=True)
+class Window:
+    """What one step showed (raw values; the corrections are the planner's)."""
+    produced: int                    # fresh samples finished in the window
+    step_s: float
+    idle_trainer: float              # fraction of the window
+    idle_rollout: float
+
+
+class PlacementPlanner:
+    """See the module docstring. ``current`` is the number of trainer replicas in force."""
+
+    def __init__(self, settings: PlacementSettings, n_trainers: int):
+        self.s = settings
+        self.current = n_trainers
+        self.rate = None                 # p, smoothed
+        self.train_s = None              # t, smoothed
+        self.steps_since_change = 0
+        self.last_mismatch = math.nan
+        self.proposed = n_trainers
+
+    # -- feasible placements ------------------------------------------------------------------
+
+    def feasible(self) -> list[int]:
+        """Trainer replica counts n_T of every feasible placement."""
+        s = self.s
+        out = []
+        for n_t in range(s.min_trainers, s.workers // s.trainer_shard + 1):
+            rest = s.workers - n_t * s.trainer_shard
+            if rest >= 0 and rest % s.rollout_tp == 0 and rest // s.rollout_tp >= s.min_rollouts:
+                out.append(n_t)
+        return out
+
+    def rollouts(self, n_t: int) -> int:
+        return (self.s.workers - n_t * self.s.trainer_shard) // self.s.rollout_tp
+
+    # -- the window ---------------------------------------------------------------------------
+
+    def observe(self, w: Window) -> int | None:
+        """One step's window; returns the new n_T when the placement should change now, else None."""
+        self.steps_since_change += 1
+        n_t, n_r = self.current, self.rollouts(self.current)
+        busy_r = max(1e-9, w.step_s * (1.0 - min(w.idle_rollout, 0.999)))
+        p = w.produced / (n_r * busy_r)
+        t = w.step_s * (1.0 - min(w.idle_trainer, 0.999)) * n_t
+        a = self.s.ema_alpha
+        self.rate = p if self.rate is None else a * p + (1 - a) * self.rate
+        self.train_s = t if self.train_s is None else a * t + (1 - a) * self.train_s
+        scores = {k: self.mismatch(k) for k in self.feasible()}
+        self.last_mismatch = scores.get(self.current, math.nan)
+        self.proposed = min(scores, key=lambda k: (scores[k], k != self.current, k))
+        if not self.s.elastic or self.proposed == self.current:
+            return None
+        if self.steps_since_change < self.s.cooldown_steps:
+            return None
+        if not scores[self.proposed] + self.s.margin < self.last_mismatch:
+            return None
+        return self.proposed
+
+    def applied(self, n_t: int) -> None:
+        """The placement changed to ``n_t`` trainer replicas (rates are re-measured from here)."""
+        self.current = n_t
+        self.steps_since_change = 0
+
+    def mismatch(self, n_t: int) -> float:
+        """|log(predicted fresh coverage / target)| of the placement with ``n_t`` trainer replicas."""
+        if self.rate is None or self.train_s is None:
+            return math.nan
+        step = self.train_s / n_t
+        coverage = self.rate * self.rollouts(n_t) * step
+        target = (1.0 - self.s.sigma) * self.s.batch_size
+        return abs(math.log(max(coverage, 1e-12) / target))

@@ -1,0 +1,77 @@
+"""Helpers of the tests that run the loop on real MPI ranks: one run, its terminal counts, its shards,
+and the check that every token carries the version of the weights that made it."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from conftest import ROOT, leftover_processes, python_m
+from reflow_hpc.metrics import read_jsonl
+
+CFG = str(ROOT / "configs" / "cpu_tiny.toml")
+TERMINAL = ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost")
+
+
+def run(tmp_path: Path, policy: str, *sets: str, name: str | None = None, timeout: float = 420):
+    """One run of the main job's config on 4 ranks, short and small; (run dir, step metrics, summary, process)."""
+    name = name or f"loop{uuid.uuid4().hex[:8]}"
+    args = ["--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}", "--set", f"model.path={policy}",
+            "--set", "model.warmstart=false", "--set", "run.eval_prompts=16", "--set", "run.timeout_s=90",
+            "--set", f"storage.dir={tmp_path / 'scratch'}", "--set", "trainer.micro_batch_size=8"]
+    for s in sets:
+        args += ["--set", s]
+    r = python_m("reflow_hpc.run", CFG, *args, timeout=timeout)
+    run_dir = tmp_path / name
+    assert r.returncode == 0, f"run failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    assert leftover_processes(name) == []
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return run_dir, metrics, summary, r
+
+
+def terminal(summary: dict) -> int:
+    b = summary["buffer"]
+    return sum(b[f"buffer/{k}"] for k in TERMINAL)
+
+
+def shard_samples(run_dir: Path) -> list:
+    """Every sample in the run's collected shards, every rank's."""
+    from reflow_hpc.storage.reader import ShardReader
+    out = []
+    for d in sorted((run_dir / "shards").glob("rank*")):
+        reader = ShardReader(d)
+        out += reader.get(list(reader.ids()))
+    return out
+
+
+def check_logprobs_by_version(run_dir: Path, policy_dir: str, samples: list, temperature: float = 1.0) -> int:
+    """Tokens of each version are exactly what that version's weights produce: log-probs recomputed with
+    the per-step checkpoints (checkpoint.every_steps = 1, keep_last = 0) match the recorded ones.
+    Returns how many (sample, version) pairs were checked."""
+    import torch
+
+    from reflow_hpc.policy import load_policy
+    from reflow_hpc.train.checkpoint import load_model_weights
+    from reflow_hpc.train.loss import token_logprobs
+
+    model, _ = load_policy(policy_dir, "float32", "cpu")
+    checked = 0
+    for t in samples:
+        for v in sorted(set(t.versions[t.versions >= 0].tolist())):
+            if v == 0:
+                model, _ = load_policy(policy_dir, "float32", "cpu")
+            else:
+                load_model_weights(model, run_dir / "checkpoints" / f"step_{v:06d}" / "model")
+            with torch.no_grad():
+                ids = torch.from_numpy(t.tokens.astype(np.int64))[None]
+                logits = model(input_ids=ids).logits[0, :-1]
+                logp, _ = token_logprobs(logits, ids[0, 1:], temperature)
+            mask = t.versions[1:] == v
+            err = float(np.max(np.abs(t.logprobs[1:][mask] - logp.numpy()[mask])))
+            assert err < 1e-4, (t.sample_id, v, err)
+            checked += 1
+    return checked

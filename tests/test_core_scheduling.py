@@ -1,0 +1,147 @@
+"""The adaptive generation scheduler and the placement planner (core/scheduling.py, core/placement.py),
+driven with scripted rates."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from hypothesis import given, settings, strategies as st
+
+from reflow_hpc.core.placement import PlacementPlanner, PlacementSettings, Window
+from reflow_hpc.core.scheduling import EngineLoad, GenerationScheduler, SchedulingSettings
+
+
+# ------------------------------------------------------------------------------------- placement
+
+def planner(n_t=2, **kw):
+    s = PlacementSettings(**{"workers": 8, "batch_size": 32, "sigma": 0.5, "cooldown_steps": 3, "margin": 0.15, **kw})
+    return PlacementPlanner(s, n_t)
+
+
+def window(p_per_worker, train_step_s_one_replica, pl: PlacementPlanner, noise=1.0):
+    """The window a placement would show for true rates: per-rollout-worker production p and the
+    compute time of a step on one replica."""
+    n_t, n_r = pl.current, pl.rollouts(pl.current)
+    step_compute = train_step_s_one_replica / n_t
+    fresh_needed = 16                                            # (1 − σ)·b
+    gen_time = fresh_needed / (p_per_worker * n_r)              # time to produce a step's fresh samples
+    step_s = max(step_compute, gen_time) * noise
+    produced = round(p_per_worker * n_r * min(step_s, gen_time * noise) * (step_s / max(step_s, 1e-9)))
+    idle_t = max(0.0, 1 - step_compute / step_s)
+    idle_r = max(0.0, 1 - gen_time / step_s)
+    return Window(produced=max(produced, 1), step_s=step_s, idle_trainer=idle_t, idle_rollout=idle_r)
+
+
+def run(pl, p, t, steps, noise_sd=0.0, seed=0):
+    rng = random.Random(seed)
+    history = []
+    for _ in range(steps):
+        new = pl.observe(window(p, t, pl, noise=1 + rng.gauss(0, noise_sd)))
+        if new is not None:
+            pl.applied(new)
+        history.append(pl.current)
+    return history
+
+
+def test_feasible_placements_respect_the_shapes():
+    assert planner().feasible() == [1, 2, 3, 4, 5, 6, 7]
+    assert planner(workers=8, trainer_shard=2, rollout_tp=2).feasible() == [1, 2, 3]
+    assert planner(workers=8, trainer_shard=2, rollout_tp=2, min_rollouts=2).feasible() == [1, 2]
+
+
+def test_generation_bound_moves_a_trainer_to_rollout():
+    pl = planner(n_t=4)                      # 4 trainers, 4 rollout workers; generation is the bottleneck
+    history = run(pl, p=2.0, t=4.0, steps=30)
+    assert history[-1] < 4 and history[-1] == history[-5]
+
+
+def test_training_bound_moves_a_rollout_worker_to_training():
+    pl = planner(n_t=2)
+    history = run(pl, p=40.0, t=8.0, steps=30)
+    assert history[-1] > 2 and history[-1] == history[-5]
+
+
+def test_the_cooldown_holds_between_changes():
+    pl = planner(n_t=1, cooldown_steps=4)
+    history = run(pl, p=50.0, t=12.0, steps=40)
+    changes = [i for i in range(1, len(history)) if history[i] != history[i - 1]]
+    assert changes and all(b - a >= 4 for a, b in zip(changes, changes[1:]))
+    assert changes[0] >= 3                   # the first window counts: cooldown from the start
+
+
+def test_a_static_split_never_moves():
+    pl = planner(n_t=4, elastic=False)
+    assert set(run(pl, p=2.0, t=4.0, steps=20)) == {4}
+    assert pl.proposed != 4                  # it would have, had it been elastic
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.floats(1.0, 60.0), t=st.floats(0.5, 20.0), noise=st.floats(0.0, 0.15), seed=st.integers(0, 10_000),
+       start=st.integers(1, 7))
+def test_noisy_rates_do_not_make_it_oscillate(p, t, noise, seed, start):
+    pl = planner(n_t=start)
+    history = run(pl, p=p, t=t, steps=60, noise_sd=noise, seed=seed)
+    tail = history[20:]
+    changes = sum(1 for a, b in zip(tail, tail[1:]) if a != b)
+    assert changes <= 1, history
+    # Never back and forth between two placements.
+    moves = [(a, b) for a, b in zip(history, history[1:]) if a != b]
+    assert not any(m == (b, a) for (a, b), m in zip(moves, moves[1:])), history
+
+
+# ------------------------------------------------------------------------------------- generation
+
+def sched(**kw):
+    return GenerationScheduler(SchedulingSettings(**{"control_interval_s": 1.0, "queue": 4, **kw}), [1, 2, 3],
+                               cap_max=16, kv_budget=1000)
+
+
+def test_low_utilisation_raises_the_cap_and_preemptions_cut_it():
+    s = sched()
+    for k in range(10):
+        s.observe(1, EngineLoad(100, 1000, 0, 4, 0), now=float(k))
+    assert s.caps[1] == 16                               # under-used: grows to the slot count
+    for k in range(10, 14):
+        s.observe(1, EngineLoad(900, 1000, 3 * k, 16, 4), now=float(k))
+    assert s.caps[1] < 16                                # preempting: backs off
+    before = s.caps[1]
+    s.observe(1, EngineLoad(900, 1000, 100, 16, 4), now=13.5)     # within the control interval
+    assert s.caps[1] == before
+
+
+def test_fixed_caps_when_not_adaptive():
+    s = sched(adaptive=False)
+    for k in range(10):
+        s.observe(2, EngineLoad(990, 1000, 50 * k, 16, 0), now=float(k))
+    assert s.caps[2] == 16
+
+
+@settings(max_examples=80, deadline=None)
+@given(loads=st.lists(st.integers(0, 40), min_size=3, max_size=3), tokens=st.integers(1, 400),
+       group=st.integers(1, 8), rho=st.floats(0.3, 1.0))
+def test_admission_never_exceeds_rho(loads, tokens, group, rho):
+    s = sched(rho=rho, queue=1000)
+    s.predicted_tokens = float(tokens)
+    outstanding = dict(zip([1, 2, 3], loads))
+    w = s.choose(outstanding, group)
+    if w is not None and outstanding[w]:
+        assert (outstanding[w] + group) * tokens / 1000 <= rho + 1e-9
+    # Whoever admits: the least loaded of those that may.
+    admissible = [v for v, n in outstanding.items() if n == 0 or (n + group) * tokens / 1000 <= rho]
+    assert (w is None) == (not admissible)
+    if w is not None:
+        assert (outstanding[w] + group) * tokens == min((outstanding[v] + group) * tokens for v in admissible)
+
+
+def test_dispatch_respects_cap_plus_queue():
+    s = sched(queue=2)
+    s.caps[1] = 4
+    assert s.choose({1: 4}, 2) == 1 and s.choose({1: 5}, 2) is None
+
+
+def test_length_prediction_follows_finished_samples():
+    s = sched(ema_alpha=0.5, initial_tokens=10.0)
+    for _ in range(20):
+        s.finished(200)
+    assert math.isclose(s.predicted_tokens, 200.0, rel_tol=1e-3)
