@@ -149,6 +149,11 @@ class TaskConfig:
     max_terms: int = opt(12, "arithmetic, calculator_tool: most terms of a problem (bounds the response length).", ge=2)
     more_terms_prob: float = opt(0.5, "arithmetic, calculator_tool: probability of one more term after "
                                        "min_terms, repeatedly (the long tail of response lengths).", ge=0, lt=1)
+    drift_prompts: int = opt(0, "arithmetic, calculator_tool: a workload that drifts. Over the first drift_prompts "
+                                "training prompts more_terms_prob moves linearly to more_terms_prob_end (and stays "
+                                "there), so responses grow longer as training goes on (0 = no drift).", ge=0)
+    more_terms_prob_end: float = opt(0.5, "arithmetic, calculator_tool: more_terms_prob at the end of the drift.",
+                                     ge=0, lt=1)
     max_turns: int = opt(4, "calculator_tool: model turns per sample (tool calls + final answer).", ge=1)
     turn_timeout_s: float = opt(1.0, "calculator_tool: time limit of one tool call; past it the observation "
                                      "is an error.", gt=0)

@@ -114,6 +114,18 @@ def test_arithmetic_difficulty_knobs():
         assert len(terms) == 3 and all(0 <= t <= 9 for t in terms)
 
 
+def test_arithmetic_drift_lengthens_the_training_prompts_only():
+    task = envs.make_task(cfg("task.drift_prompts=1000", "task.more_terms_prob=0.2", "task.more_terms_prob_end=0.8"))
+    terms = lambda lo, hi, split="train": sum(len(task.prompt(i, split).meta["terms"]) for i in range(lo, hi)) / (hi - lo)
+    early, late = terms(0, 300), terms(1000, 1300)
+    assert early < 2.4 < 4.0 < late                          # mean 2 + p/(1-p), truncated: 2.25 -> ~5
+    assert task.more_prob(500) == pytest.approx(0.5) and task.more_prob(5000) == pytest.approx(0.8)
+    assert task.more_prob(5000, "eval") == pytest.approx(0.2)
+    steady = envs.make_task(cfg("task.more_terms_prob=0.2"))
+    assert [steady.prompt(i).text for i in range(50)] == [envs.make_task(cfg(
+        "task.more_terms_prob=0.2", "task.more_terms_prob_end=0.9")).prompt(i).text for i in range(50)]
+
+
 def test_min_terms_above_max_terms_is_a_config_error():
     with pytest.raises(C.ConfigError) as e:
         cfg("task.min_terms=5", "task.max_terms=3")

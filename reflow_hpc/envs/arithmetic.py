@@ -9,7 +9,10 @@ A problem is a chain of ``k`` integers joined by ``+`` (and ``-`` when ``task.op
 
 Each operand has 1 to ``task.digits`` digits (the digit count drawn uniformly first). The number of
 terms ``k`` starts at ``task.min_terms`` and grows by one with probability ``task.more_terms_prob``
-at a time, up to ``task.max_terms`` (a truncated geometric tail). The worked solution writes one
+at a time, up to ``task.max_terms`` (a truncated geometric tail). With ``task.drift_prompts = D`` the
+training prompts drift: prompt ``i`` uses ``more_terms_prob + min(1, i/D)·(more_terms_prob_end −
+more_terms_prob)``, so responses grow (or shrink) over the run — a workload whose balance between
+generation and training moves, as response lengths do in real RL runs. The worked solution writes one
 line per partial sum, so its length grows linearly with ``k``: most responses are short and a few
 are several times longer, which is the long tail that makes batch-level rollout wait for
 stragglers. At the defaults a worked solution plus eos is 15–19 tokens of the character tokenizer
@@ -65,12 +68,20 @@ class Arithmetic(Task):
         t = cfg.task
         self.digits, self.ops = t.digits, t.ops
         self.min_terms, self.max_terms, self.more_terms_prob = t.min_terms, t.max_terms, t.more_terms_prob
+        self.drift_prompts, self.more_terms_prob_end = t.drift_prompts, t.more_terms_prob_end
         # A split can be empty when eval_fraction is 0 or 1; fail fast instead of spinning.
         self.max_draws = 100_000
 
-    def _draw(self, rng: random.Random) -> tuple[list[int], list[str]]:
+    def more_prob(self, index: int, split: str = "train") -> float:
+        """The continuation probability of prompt ``index`` (the drift applies to training prompts)."""
+        if not self.drift_prompts or split != "train":
+            return self.more_terms_prob
+        frac = min(1.0, index / self.drift_prompts)
+        return self.more_terms_prob + frac * (self.more_terms_prob_end - self.more_terms_prob)
+
+    def _draw(self, rng: random.Random, more: float) -> tuple[list[int], list[str]]:
         k = self.min_terms
-        while k < self.max_terms and rng.random() < self.more_terms_prob:
+        while k < self.max_terms and rng.random() < more:
             k += 1
         terms = [self._operand(rng) for _ in range(k)]
         signs = ["+" if self.ops == "+" else rng.choice("+-") for _ in range(k - 1)]
@@ -90,7 +101,7 @@ class Arithmetic(Task):
         want_eval = split == "eval"
         for attempt in range(self.max_draws):
             rng = random.Random(f"{self.name}:{self.seed}:{split}:{index}:{attempt}")
-            terms, signs = self._draw(rng)
+            terms, signs = self._draw(rng, self.more_prob(index, split))
             text = self._text(terms, signs)
             if self.in_eval_split(text) == want_eval:
                 value = terms[0] + sum(t if s == "+" else -t for s, t in zip(signs, terms[1:]))

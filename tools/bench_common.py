@@ -1,0 +1,57 @@
+"""What the run-based benchmarks share: one real run of ``python -m reflow_hpc.run`` and a text table."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from reflow_hpc.metrics import read_jsonl  # noqa: E402
+
+
+def run(config: str, name: str, sets: list[str], out: Path, timeout: float) -> tuple[Path, list[dict], dict, float]:
+    """One run in ``out/name`` (no resume, shards under ``out/scratch``); (run dir, step metrics, summary, wall s).
+    A failed run ends the benchmark with its output."""
+    args = [sys.executable, "-m", "reflow_hpc.run", config, "--set", f"run.output_dir={out}", "--set", f"run.name={name}",
+            "--set", f"storage.dir={out / 'scratch' / name}", "--set", "checkpoint.resume=false"]
+    for s in sets:
+        args += ["--set", s]
+    t0 = time.monotonic()
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    wall = time.monotonic() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: run {name} failed (exit {r.returncode}):\n"
+                         f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    run_dir = out / name
+    return run_dir, read_jsonl(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text()), wall
+
+
+def mean(xs) -> float:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def median(xs) -> float:
+    xs = sorted(x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x)))
+    if not xs:
+        return math.nan
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    """Right-aligned text table; ``cols`` are (header, key, format)."""
+    def cell(row, key, fmt):
+        v = row.get(key)
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+    data = [[h for h, _, _ in cols]] + [[cell(r, k, f) for _, k, f in cols] for r in rows]
+    widths = [max(len(line[i]) for line in data) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in data]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
