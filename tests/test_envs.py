@@ -9,9 +9,11 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from reflow_hpc import config as C
 from reflow_hpc import envs
+from reflow_hpc.envs import arithmetic
 from reflow_hpc.envs.arithmetic import final_answer
 from reflow_hpc.envs.boxed import boxed_reward, last_boxed
 from reflow_hpc.envs.calculator_tool import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN
@@ -395,3 +397,34 @@ def test_single_turn_episode_ends_after_one_turn():
     ep = task.start(p)
     obs = ep.step(task.solution(p))
     assert obs.done and ep.reward() == 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Rewards never raise, whatever the policy writes
+# ------------------------------------------------------------------------------------------------
+
+_ANSWERISH = st.one_of(
+    st.text(max_size=300),
+    st.builds(lambda d, n: d * n, st.sampled_from("0123456789"), st.integers(1, 6000)),      # huge numbers
+    st.builds(lambda a, b: f"\\boxed{{{a}}}{b}", st.text(max_size=80), st.text(max_size=20)),
+    st.builds(lambda n: "\\boxed{" + "9" * n + "}", st.integers(1000, 6000)),
+    st.builds(lambda n: "\\boxed{\\frac{1}{" + "7" * n + "}}", st.integers(1, 5000)),
+    st.builds(lambda n: "#### " + "-" + "3" * n, st.integers(1, 6000)),
+    st.builds(lambda a: "{" * a + "}" * (a // 2), st.integers(0, 2000)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(response=_ANSWERISH, reference=_ANSWERISH)
+def test_boxed_reward_never_raises(response, reference):
+    from reflow_hpc.envs.boxed import boxed_reward
+    assert boxed_reward(response, reference) in (0.0, 1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(response=_ANSWERISH)
+def test_every_task_reward_never_raises(response):
+    for name, extra in (("arithmetic", ()), ("calculator_tool", ())):
+        task = envs.make_task(cfg(f"task.name={name}", *extra))
+        assert task.reward(task.prompt(3), response) in (0.0, 1.0)
+    assert arithmetic.integer_reward("12", response) in (0.0, 1.0)

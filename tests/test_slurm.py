@@ -73,6 +73,36 @@ def test_sbatch_local_script_runs_check_on_two_nodes(slurm_conf, tmp_path):
     assert topo["slurm"]["SLURM_JOB_ID"] == job_id
 
 
+def fresh_clone(dest: Path) -> Path:
+    """The repository's tracked files as they are now, in a directory of their own: what a user who
+    just cloned it has (no models, no runs, no log directories)."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes(src.read_bytes())
+            (dest / name).chmod(src.stat().st_mode)
+    return dest
+
+
+def test_the_readme_slurm_lines_work_in_a_fresh_clone(slurm_conf, tmp_path):
+    """The README's local-cluster command, literally, from a clone with no directories prepared: the
+    job completes and leaves its log where sbatch was run."""
+    readme = (ROOT / "README.md").read_text()
+    line = "sbatch slurm/reflow_local.sbatch configs/cpu_tiny.toml --check"
+    assert line in readme
+    clone = fresh_clone(tmp_path / "clone")
+    r = run_cmd(["sbatch", "--parsable", *line.split()[1:]], cwd=clone, timeout=60)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    state = _wait_job(job_id)
+    logs = sorted(clone.glob(f"*-{job_id}.out"))
+    assert state == "COMPLETED" and logs, _job_report(job_id, clone, slurm_conf)
+    assert "self-check: 4 ranks on 2 node(s)" in logs[0].read_text()
+    assert (clone / "runs" / "cpu_tiny" / "topology.json").is_file()
+
+
 def test_submit_wait_through_submitit(slurm_conf, tmp_path):
     name = f"sub{uuid.uuid4().hex[:8]}"
     r = run_cmd(["python", "-m", "reflow_hpc.submit", "--nodes", "2", "--wait", CFG, "--set",

@@ -39,13 +39,18 @@ ANSWER_MARKER = "####"
 _INTEGER = re.compile(r"-?[0-9]+")
 
 
+# Python refuses to convert integer strings of more than 4,300 digits; no answer of this task comes close.
+MAX_ANSWER_CHARS = 1000
+
+
 def final_answer(response: str) -> int | None:
-    """The integer after the last answer marker, or None when the response breaks the format rule."""
+    """The integer after the last answer marker, or None when the response breaks the format rule (an
+    answer longer than MAX_ANSWER_CHARS breaks it too)."""
     pos = response.rfind(ANSWER_MARKER)
     if pos < 0:
         return None
     tail = response[pos + len(ANSWER_MARKER):].strip()
-    return int(tail) if _INTEGER.fullmatch(tail) else None
+    return int(tail) if len(tail) <= MAX_ANSWER_CHARS and _INTEGER.fullmatch(tail) else None
 
 
 def integer_reward(answer: str, response: str) -> float:

@@ -95,8 +95,15 @@ _NUM = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)"
 _THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
+# Python refuses to convert integer strings of more than 4,300 digits (a guard against quadratic time).
+# An answer that long is compared as text, never as a number: no reference answer is that long.
+MAX_NUMBER_CHARS = 1000
+
+
 def as_number(s: str) -> Fraction | None:
-    """A normalised answer as an exact number, or None."""
+    """A normalised answer as an exact number, or None (also for one too long to convert)."""
+    if len(s) > MAX_NUMBER_CHARS:
+        return None
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     sign = 1
