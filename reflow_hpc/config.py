@@ -81,6 +81,9 @@ class RunConfig:
                                    "last step's). Saving a snapshot costs the training clock a few milliseconds; the "
                                    "scoring runs after training, spread over every rank.", ge=0)
     eval_concurrency: int = opt(64, "Requests the evaluation engine runs at once.", ge=1)
+    event_log: bool = opt(True, "Append every replay-buffer event (dispatch, finish, compose, train, end with its "
+                                "reason, sync, checkpoint, role switch) with its time, version and worker to "
+                                "`<run dir>/events.jsonl` (schema: docs/storage.md).")
     abort_grace_s: float = opt(1.0, "Seconds a failing rank waits after printing its error before it aborts the job, "
                                      "so that the launcher forwards the message.", ge=0)
     heartbeat_s: float = opt(2.0, "Interval of the alive messages between coordinator and workers; a rank silent "

@@ -88,6 +88,7 @@ class Settings:
     setup_timeout_s: float = 240.0   # the same before every worker is ready (models load, groups join)
     eval_every: int = 0          # steps between weight snapshots for evaluation (0: only the last step's)
     time_budget_s: float = 0.0   # stop as at a preemption once the run trained this long (0: no budget)
+    event_log: bool = True       # record every index event in ``events`` (drained by the driver)
 
 
 @dataclass
@@ -205,6 +206,7 @@ class Coordinator:
         self.started_at = 0.0                                # when every worker was ready
         self.elapsed_before = 0.0                            # training time of the process sets before a resume
         self.completed: list[StepRecord] = []                # drained by the driver
+        self.events: list[dict] = []                         # the event log, drained by the driver
         self.checkpoints_written: list[tuple[str, int, str]] = []   # (tag, step, path), drained by the driver
         self.recovered = 0
 
@@ -282,6 +284,8 @@ class Coordinator:
             return []
         self._reconcile()
         self.phase = "running"
+        self._log(now, "start", step=self.steps_done, resume_from=self.resume_from, recovered=self.recovered,
+                  trainers=list(self.trainers), rollouts=list(self.rollouts))
         self.started_at = now
         self.trainer_idle_since = now
         self.last_step_end = now
@@ -300,10 +304,12 @@ class Coordinator:
         self._forget_generating(sample_id)
         self.finish_reasons[finish_reason] = self.finish_reasons.get(finish_reason, 0) + 1
         self.generation.finished(total_tokens or loss_tokens)
+        self._log(now, "finish", id=sample_id, w=worker, reward=reward, span=[min_version, max_version],
+                  tokens=loss_tokens, reason=finish_reason, loc=location)
         if sample_id not in self.index:          # ended while in flight (shutdown, cancel)
             return out
         self.produced += 1
-        self._releases(self.index.finished(sample_id, owner=worker, reward=reward, min_version=min_version,
+        self._releases(now, self.index.finished(sample_id, owner=worker, reward=reward, min_version=min_version,
                                            max_version=max_version, loss_tokens=loss_tokens, now=now,
                                            location=location), out)
         self._advance(out, now)
@@ -312,8 +318,9 @@ class Coordinator:
     def sample_failed(self, worker: int, sample_id: int, *, now: float) -> list[Any]:
         out: list[Any] = []
         self._forget_generating(sample_id)
+        self._log(now, "failed", id=sample_id, w=worker)
         if sample_id in self.index:
-            self._releases(self.index.failed(sample_id, now=now), out)
+            self._releases(now, self.index.failed(sample_id, now=now), out)
         self._advance(out, now)
         return out
 
@@ -327,8 +334,9 @@ class Coordinator:
         if self.waiting_replicas:
             return out
         batch, self.batch = self.batch, None
-        self._releases(self.index.step_done(batch), out)
-        self._releases(self.index.bump_version(), out)       # the trainer's weights are one step newer
+        self._log(now, "train", step=batch.step)
+        self._releases(now, self.index.step_done(batch), out)
+        self._releases(now, self.index.bump_version(), out)       # the trainer's weights are one step newer
         self.steps_done += 1
         self._record_step(batch, now)
         self._plan(now)
@@ -350,6 +358,7 @@ class Coordinator:
         self.sync_slowest = max(self.sync_slowest, seconds)
         if not self.syncing:
             self.sync_seconds = self.sync_slowest
+            self._log(now, "synced", seconds=self.sync_slowest)
         self._advance(out, now)
         return out
 
@@ -395,6 +404,7 @@ class Coordinator:
             raise ValueError(f"checkpoint: unexpected report that {tag} was written, from rank {worker}")
         self.checkpoint = None
         self.checkpoints_written.append((tag, c.step, path))
+        self._log(now, "checkpoint", step=c.step, tag=tag, path=path)
         self._advance(out, now)
         return out
 
@@ -481,6 +491,7 @@ class Coordinator:
             return                                  # waits for the batch in flight: no partial rollouts
         self.want_sync = False
         v = self.index.version
+        self._log(now, "sync", group=[self.trainers[0], *self.rollouts] if not self.rules.colocated else self.rollouts)
         if self.rules.colocated:
             for w in self.rollouts:
                 out.append(Sync(w, v, None, (w,)))
@@ -525,6 +536,8 @@ class Coordinator:
             return
         self.batch = batch
         self.batch_composed_at = now
+        self._log(now, "compose", step=batch.step, ids=list(batch.sample_ids), replay=[int(r) for r in batch.is_replay],
+                  weights=[round(w, 6) for w in batch.loss_weights], stale=list(batch.staleness))
         self.batch_wait_s = now - (self.trainer_idle_since if self.trainer_idle_since is not None else now)
         self.waiting_replicas = set(self.trainers)
         self.reports = []
@@ -545,6 +558,7 @@ class Coordinator:
             if worker is None:
                 break
             group = self.index.new_group(self.next_prompt, now=now, worker=worker)
+            self._log(now, "dispatch", w=worker, group=group.group_id, prompt=group.prompt_id, ids=list(group.sample_ids))
             self.next_prompt += 1
             self.outstanding[worker] += n
             for sid in group.sample_ids:
@@ -596,6 +610,7 @@ class Coordinator:
         transfers = tuple((old_t[i % len(old_t)], w) for i, w in enumerate(joining))
         for w in self.workers:
             out.append(Switch(w, tuple(self.trainers), tuple(self.rollouts), self.index.version, transfers))
+        self._log(now, "switch", trainers=list(self.trainers), rollouts=list(self.rollouts))
         self.switching = set(self.workers)
         self.switch_started_at = now
         self.switch_seconds = {}
@@ -609,6 +624,7 @@ class Coordinator:
             self.planner.applied(len(self.trainers))
         handed = sum(len(ids) for ids in self.handed_off.values())
         self.handed_over += handed
+        self._log(now, "switched", seconds=now - self.switch_started_at, handed_off=handed)
         self.switches_done.append({"step": self.steps_done, "trainers": len(self.trainers),
                                    "rollouts": len(self.rollouts), "seconds": now - self.switch_started_at,
                                    "handed_off": handed, **{f"{k}_s": v for k, v in self.switch_seconds.items()}})
@@ -632,6 +648,7 @@ class Coordinator:
                 per_worker.setdefault(worker, []).append(DispatchedSample(sid, rec.group_id, rec.prompt_id))
             for worker, samples in sorted(per_worker.items()):
                 out.append(Resume(worker, tuple(samples), source))
+                self._log(now, "resume", ids=[x.sample_id for x in samples], source=source, w=worker)
         self.handed_off = {}
 
     def roles(self) -> dict[int, str]:
@@ -640,7 +657,7 @@ class Coordinator:
 
     def _finish(self, out: list[Any], now: float) -> None:
         self.train_seconds = self._elapsed(now)
-        self._releases(self.index.shutdown(), out)
+        self._releases(now, self.index.shutdown(), out)
         self.generating.clear()
         self.phase = "finished"
         self.index.check_accounting()
@@ -706,10 +723,16 @@ class Coordinator:
         if worker is not None:
             self.outstanding[worker] -= 1
 
-    def _releases(self, releases: list[Release], out: list[Any]) -> None:
+    def _log(self, now: float, event: str, **fields: Any) -> None:
+        """One line of the event log (``events.jsonl``; schema in docs/storage.md)."""
+        if self.settings.event_log:
+            self.events.append({"t": now, "e": event, "v": self.index.version, **fields})
+
+    def _releases(self, now: float, releases: list[Release], out: list[Any]) -> None:
         drop: dict[int, list[int]] = {}
         cancel: dict[int, list[int]] = {}
         for rel in releases:
+            self._log(now, "end", id=rel.sample_id, reason=rel.reason, w=rel.rank)
             if rel.rank < 0:
                 continue
             if rel.has_payload:

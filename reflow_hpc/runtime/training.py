@@ -24,6 +24,7 @@ from ..core.modes import rules
 from ..core.placement import PlacementSettings
 from ..core.scheduling import EngineLoad, SchedulingSettings
 from ..metrics import MetricsSink, StepMetrics
+from .eventlog import EventWriter
 from .messages import (CheckpointWritten, EngineReport, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished,
                        ShardsFlushed, StepDone, Switched, SyncDone)
 
@@ -65,7 +66,7 @@ def build_coordinator(cfg: Config, resume_from: Path | None = None) -> Coordinat
                         scheduling=scheduling, placement=placement, placement_schedule=schedule,
                         checkpoint_every=cfg.checkpoint.every_steps, timeout_s=cfg.run.timeout_s,
                         setup_timeout_s=cfg.run.setup_timeout_s, eval_every=cfg.run.eval_every_steps,
-                        time_budget_s=cfg.trainer.time_budget_s)
+                        time_budget_s=cfg.trainer.time_budget_s, event_log=cfg.run.event_log)
     coordinator = Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=cfg.resources.workers,
                               resume_from=str(resume_from) if resume_from else None)
     if resume_from is not None:
@@ -84,6 +85,15 @@ class TrainingSide:
         self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.metrics.tensorboard,
                                    append=self.resume_from is not None)
         self.step_metrics = StepMetrics(cfg.reflow.mode)
+        # The event log: every index event, appended as JSON lines by a thread of its own (schema:
+        # docs/storage.md).
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventWriter(cfg.run_dir / "events.jsonl", append=self.resume_from is not None) \
+            if cfg.run.event_log else None
+        # CPU time of the coordinator thread (thread_time: waiting for the GIL is not work): handing the
+        # events to the writer, and everything it does for a message or a tick.
+        self.event_seconds = 0.0
+        self.busy_seconds = 0.0
         self.started_at = 0.0
         self.summary: dict[str, Any] = {}
         c = self.coordinator
@@ -126,19 +136,25 @@ class TrainingSide:
         return self._out(c.begin(now))
 
     def on_message(self, source: int, msg: Any, now: float) -> Outgoing:
+        t0 = time.thread_time()
         handler = self.handlers.get(type(msg))
         if handler is None:
             raise RuntimeError(f"rank 0: coordinator: unexpected {type(msg).__name__} from rank {source}")
         self.coordinator.heard(source, now)
-        return self._out(handler(source, msg, now))
+        out = self._out(handler(source, msg, now))
+        self.busy_seconds += time.thread_time() - t0
+        return out
 
     def on_tick(self, now: float) -> Outgoing:
+        t0 = time.thread_time()
         c = self.coordinator
         before = c.stopped_early
         out = c.tick(now)
         if c.stopped_early != before:
             print(f"coordinator: {c.stopped_early}: finishing the current step and checkpointing", flush=True)
-        return self._out(out)
+        out = self._out(out)
+        self.busy_seconds += time.thread_time() - t0
+        return out
 
     def done(self) -> bool:
         return self.coordinator.done
@@ -188,8 +204,19 @@ class TrainingSide:
 
     # ------------------------------------------------------------------------------ helpers
 
+    def _write_events(self) -> None:
+        c = self.coordinator
+        if not c.events:
+            return
+        t0 = time.perf_counter()      # nothing in between can wait for the GIL: wall time is its CPU time
+        if self.events is not None:
+            self.events.put(c.events)
+        c.events = []
+        self.event_seconds += time.perf_counter() - t0
+
     def _out(self, commands: list) -> Outgoing:
         c = self.coordinator
+        self._write_events()
         for rec in c.completed:
             record = self.step_metrics(rec)
             self.metrics.write(record)
@@ -204,9 +231,17 @@ class TrainingSide:
         c.completed.clear()
         for tag, _, path in c.checkpoints_written:
             print(f"coordinator: checkpoint {path} written", flush=True)
+            if self.events is not None:
+                self.events.flush()          # a checkpoint's events are on disk with it
         c.checkpoints_written.clear()
         if c.done and not self.summary:
-            self.summary = {**c.summary(), "wall_seconds": time.time() - self.started_at,
+            self._write_events()
+            log = {}
+            if self.events is not None:
+                self.events.close()
+                log = {"events": self.events.events, "coordinator_cpu_seconds": self.busy_seconds,
+                       "handover_cpu_seconds": self.event_seconds, "writer_cpu_seconds": self.events.cpu_seconds}
+            self.summary = {**c.summary(), "wall_seconds": time.time() - self.started_at, "event_log": log,
                             "process_groups": max((n for n, _ in self.setup_costs), default=0),
                             "process_groups_seconds": max((t for _, t in self.setup_costs), default=0.0)}
             self.metrics.close()
