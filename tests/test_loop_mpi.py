@@ -93,9 +93,11 @@ def test_partial_rollout_spans_a_sync_under_new_weights(tmp_path, policy_dir):
     assert check_logprobs_by_version(run_dir, policy_dir, samples[:4]) >= 2
 
 
-def test_usr2_checkpoints_then_resume_continues_without_losing_flushed_samples(tmp_path, policy_dir):
-    """Slurm's USR2 (time limit ahead) stops the run after the step in flight with a checkpoint; a new
-    process set resumes from it and the accounting identity holds over both."""
+def test_usr2_checkpoints_then_resume_continues_without_losing_anything(tmp_path, policy_dir):
+    """Slurm's USR2 (time limit ahead) stops the run after the step in flight with a checkpoint that also
+    holds the samples being generated; a new process set on "other nodes" (empty node-local scratch)
+    resumes from it, continues those samples, finds the buffered ones in the run directory's copy of
+    the shards, and the accounting identity holds over both."""
     import os
     import signal
     import subprocess
@@ -103,8 +105,9 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_flushed_samples(t
     import time
 
     name = f"resume{uuid.uuid4().hex[:6]}"
+    # A dispatch window far beyond a step's need: rollout workers are busy when the stop comes.
     sets = ["reflow.mode=reflow", "trainer.batch_size=16", "algorithm.group_size=4", "storage.flush_rows=1",
-            "trainer.steps=8", "reflow.delta=2"]
+            "trainer.steps=8", "reflow.delta=2", "reflow.b_max=128", "scheduler.elastic=false"]
     args = [sys.executable, "-m", "reflow_hpc.run", CFG]
     for s_ in [f"run.output_dir={tmp_path}", f"run.name={name}", f"model.path={policy_dir}", "model.warmstart=false",
                "run.eval_prompts=0", "run.timeout_s=90", f"storage.dir={tmp_path / 'scratch'}",
@@ -126,10 +129,21 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_flushed_samples(t
     m1 = read_jsonl(run_dir / "metrics.jsonl")
     s1 = json.loads((run_dir / "summary.json").read_text())
     assert 2 <= s1["steps"] < 8 and len(m1) == s1["steps"]
-    assert (run_dir / "checkpoints" / f"step_{s1['steps']:06d}" / "meta.json").is_file()
+    ckpt = run_dir / "checkpoints" / f"step_{s1['steps']:06d}"
+    assert (ckpt / "meta.json").is_file()
+    # The samples in flight were saved, not aborted: they are the only ones still live.
+    saved = s1["saved_partials"]
+    assert saved > 0 and sorted(p.name for p in (ckpt / "partials").glob("rank*.npz"))
+    assert s1["buffer"]["buffer/created"] == terminal(s1) + saved == terminal(s1) + s1["buffer"]["buffer/pending"]
+    state = json.loads((ckpt / "extra" / "coordinator.json").read_text())
+    assert len(state["partials"]) == saved
 
-    _, m2, s2, r2 = run(tmp_path, policy_dir, *sets, name=name)
+    _, m2, s2, r2 = run(tmp_path, policy_dir, *sets, f"storage.dir={tmp_path / 'other-node'}", name=name)
     assert "resuming from" in r2.stdout
+    assert s2["resumed_partials"] == saved
+    resumed = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
+               if '"resume"' in x and '"source":-1' in x]
+    assert sum(len(e["ids"]) for e in resumed) == saved
     assert [m["step"] for m in m2] == list(range(1, 9))      # metrics appended after the first steps
     assert s2["steps"] == 8 and m2[-1]["version"] >= m1[-1]["version"]
     # One accounting identity over both process sets; every flushed sample is back or accounted.

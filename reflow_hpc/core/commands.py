@@ -85,10 +85,12 @@ class Cancel:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Phase 1 of a checkpoint: flush your shards and report the manifest."""
+    """Phase 1 of a checkpoint: flush your shards and report the manifest. With ``partials`` (the run
+    stops early) also save the samples you are generating, to be continued after the resume."""
     worker: int
     step: int
     tag: str             # directory name, e.g. "step_000010"
+    partials: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ class Switch:
 @dataclass(frozen=True)
 class Resume:
     """Continue these samples, which ``source`` was generating when it left rollout: fetch their partial
-    responses (tokens, log-probs, per-token versions) from it and go on under your weights."""
+    responses (tokens, log-probs, per-token versions) from it and go on under your weights. ``source``
+    -1: the checkpoint this run resumed from saved them (its ``partials/``)."""
     worker: int
     samples: tuple[DispatchedSample, ...]
     source: int

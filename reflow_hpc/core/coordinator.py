@@ -134,6 +134,8 @@ class CheckpointRound:
     flushing: set[int]                   # phase 1: workers whose shard manifest is still due
     manifests: dict[int, dict] = field(default_factory=dict)
     writing: bool = False                # phase 2: the writer was told to write
+    partials: bool = False               # the run stops early: in-flight samples are saved into it
+    saved: list[int] = field(default_factory=list)   # the samples the workers saved (phase 1)
 
 
 class Coordinator:
@@ -167,6 +169,8 @@ class Coordinator:
         self.switches_done: list[dict] = []                  # for the next step record
         self.placements: list[tuple[int, int]] = []          # (step, trainer replicas) at every change
         self.handed_over = 0                                 # samples handed from a leaving rollout worker to another
+        self.saved_partials: set[int] = set()                # in-flight samples saved into the final checkpoint
+        self.kept_partials: list[int] = []                   # the checkpoint's saved samples, to resume from it
         self.produced = 0                                    # fresh samples finished since the last step
         self.resume_from = resume_from
         self.steps = settings.steps
@@ -226,7 +230,8 @@ class Coordinator:
         and reconciled with the workers' shards once they are ready."""
         if state.get("format", COORDINATOR_STATE_FORMAT) != COORDINATOR_STATE_FORMAT:
             raise ValueError(f"coordinator state: format {state.get('format')!r}, expected {COORDINATOR_STATE_FORMAT}")
-        self.index.load_state_dict(state["index"], resume=True)
+        self.kept_partials = sorted(state.get("partials", []))
+        self.index.load_state_dict(state["index"], resume=True, keep=self.kept_partials)
         self.steps_done, self.next_prompt = state["steps_done"], state["next_prompt"]
         self.fresh_rewards = list(state.get("history", {}).get("fresh_rewards", []))
         self.elapsed_before = float(state.get("history", {}).get("elapsed_s", 0.0))
@@ -290,11 +295,32 @@ class Coordinator:
         self.trainer_idle_since = now
         self.last_step_end = now
         out: list[Any] = []
+        self._resume_kept(out, now)
         if self.steps_done >= self.steps:
             self._finish(out, now)
             return out
         self._advance(out, now)
         return out
+
+    def _resume_kept(self, out: list[Any], now: float) -> None:
+        """The checkpoint saved these in-flight samples: continue them on the rollout workers."""
+        per_worker: dict[int, list[DispatchedSample]] = {}
+        groups: dict[int, list[int]] = {}
+        for sid in self.kept_partials:
+            if sid in self.index:
+                groups.setdefault(self.index.sample(sid).group_id, []).append(sid)
+        for ids in groups.values():                   # a group stays on one worker, as when dispatched
+            worker = self.generation.choose({w: self.outstanding[w] for w in self.rollouts}, len(ids)) \
+                or min(self.rollouts, key=lambda w: (self.outstanding[w], w))
+            for sid in ids:
+                rec = self.index.sample(sid)
+                self.index.reassign(sid, worker)
+                self.generating[sid] = worker
+                self.outstanding[worker] += 1
+                per_worker.setdefault(worker, []).append(DispatchedSample(sid, rec.group_id, rec.prompt_id))
+        for worker, samples in sorted(per_worker.items()):
+            out.append(Resume(worker, tuple(samples), -1))
+            self._log(now, "resume", ids=[x.sample_id for x in samples], source=-1, w=worker)
 
     def sample_finished(self, worker: int, sample_id: int, *, reward: float, min_version: int, max_version: int,
                         loss_tokens: int, finish_reason: str, now: float, location: Any = None,
@@ -385,14 +411,17 @@ class Coordinator:
         self._advance(out, now)
         return out
 
-    def shards_flushed(self, worker: int, tag: str, manifest: dict, *, now: float) -> list[Any]:
-        """Phase 1 of a checkpoint: ``worker`` flushed its shards."""
+    def shards_flushed(self, worker: int, tag: str, manifest: dict, *, now: float,
+                       partials: list[int] = ()) -> list[Any]:
+        """Phase 1 of a checkpoint: ``worker`` flushed its shards (and saved ``partials``, its in-flight
+        samples, when the run stops early)."""
         out: list[Any] = []
         c = self.checkpoint
         if c is None or tag != c.tag or worker not in c.flushing:
             raise ValueError(f"checkpoint: unexpected shard manifest for {tag} from rank {worker}")
         c.flushing.discard(worker)
         c.manifests[worker] = manifest
+        c.saved += list(partials)
         self._advance(out, now)
         return out
 
@@ -403,6 +432,7 @@ class Coordinator:
         if c is None or tag != c.tag or worker != c.writer or not c.writing:
             raise ValueError(f"checkpoint: unexpected report that {tag} was written, from rank {worker}")
         self.checkpoint = None
+        self.saved_partials |= set(c.saved)
         self.checkpoints_written.append((tag, c.step, path))
         self._log(now, "checkpoint", step=c.step, tag=tag, path=path)
         self._advance(out, now)
@@ -456,6 +486,7 @@ class Coordinator:
                 "buffer": self.index.gauges(), "finish_reasons": dict(self.finish_reasons),
                 "partial_rollouts": self.partial_rollouts, "train_seconds": self.train_seconds,
                 "placements": [list(p) for p in self.placements], "handed_over": self.handed_over,
+                "saved_partials": len(self.saved_partials), "resumed_partials": len(self.kept_partials),
                 "stopped_early": self.stopped_early, "accounting_ok": True}
 
     # ------------------------------------------------------------------------------------------
@@ -513,9 +544,14 @@ class Coordinator:
             return False
         self.checkpoint_tag = tag
         writer = self.trainers[0]
-        others = [w for w in sorted(set(self.trainers) | set(self.rollouts)) if w != writer]
-        self.checkpoint = CheckpointRound(tag, self.steps_done, writer, self.state_dict(), set(others))
-        out.extend(Checkpoint(w, self.steps_done, tag) for w in others)
+        # A run that stops early keeps what is being generated: every rollout worker (the writer too, if it
+        # generates) saves it in phase 1, so that nothing finishes after the state is taken in phase 2.
+        partials = bool(due_final and self.stopped_early and self.index.outstanding)
+        others = [w for w in sorted(set(self.trainers) | set(self.rollouts))
+                  if w != writer or (partials and w in self.rollouts)]
+        self.checkpoint = CheckpointRound(tag, self.steps_done, writer, self.state_dict(), set(others),
+                                          partials=partials)
+        out.extend(Checkpoint(w, self.steps_done, tag, partials and w in self.rollouts) for w in others)
         self._checkpoint_progress(out)
         return True
 
@@ -523,6 +559,11 @@ class Coordinator:
         c = self.checkpoint
         if c is not None and not c.flushing and not c.writing:
             c.writing = True
+            if c.partials:
+                # Every worker that generated handed its samples over and flushed: nothing finishes any
+                # more, so the state now includes every finished sample (all in flushed shards).
+                c.state = self.state_dict()
+                c.state["partials"] = sorted(c.saved)
             out.append(SaveCheckpoint(c.writer, c.step, c.tag, c.state,
                                       {str(w): m for w, m in sorted(c.manifests.items())}))
 
@@ -657,7 +698,9 @@ class Coordinator:
 
     def _finish(self, out: list[Any], now: float) -> None:
         self.train_seconds = self._elapsed(now)
-        self._releases(now, self.index.shutdown(), out)
+        # Samples saved into the final checkpoint stay live there: the resumed run continues them.
+        live = [sid for sid in self.index.live_ids() if sid not in self.saved_partials]
+        self._releases(now, self.index.abort(live), out)
         self.generating.clear()
         self.phase = "finished"
         self.index.check_accounting()

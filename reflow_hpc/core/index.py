@@ -581,13 +581,15 @@ class ReplayIndex:
         index.load_state_dict(state, resume=resume)
         return index
 
-    def load_state_dict(self, state: dict, *, resume: bool = True) -> list[Release]:
+    def load_state_dict(self, state: dict, *, resume: bool = True, keep: Iterable[int] = ()) -> list[Release]:
         """Load a checkpoint into this fresh index; its own parameters (σ, τ, δ, b, b_max, sampler,
         filter) stay, so a restart may change them. The RNG continues from the checkpoint.
 
-        resume=True: samples pending at checkpoint time end as ``aborted``; samples in
-        ``training`` return to ``ready`` (front of their queue) or ``replay``; the dispatch window
-        reopens with the full ``b_max``. resume=False: an exact copy (same future behaviour).
+        resume=True: samples pending at checkpoint time end as ``aborted`` — except those in ``keep``,
+        whose partial responses the checkpoint saved: they stay pending, with no worker, until a
+        driver reassigns them; samples in ``training`` return to ``ready`` (front of their queue) or
+        ``replay``; the dispatch window reopens with what ``b_max`` leaves beside the kept ones.
+        resume=False: an exact copy (same future behaviour).
         Returns the releases of the samples that ended while loading (those, and samples staler
         than this index's δ).
         """
@@ -621,11 +623,11 @@ class ReplayIndex:
         out: list[Release] = []
         self._evict_stale(out)                      # δ may have shrunk since the checkpoint
         if resume:
-            self._resume(out)
+            self._resume(out, set(keep))
         self._recover_open = True
         return out
 
-    def _resume(self, out: list[Release]) -> None:
+    def _resume(self, out: list[Release], keep: set[int]) -> None:
         training = sorted((rec for rec in self._samples.values() if rec.state == TRAINING),
                           key=lambda rec: (rec.min_version, rec.finish_seq, rec.sample_id), reverse=True)
         for rec in training:
@@ -645,8 +647,11 @@ class ReplayIndex:
                 self._pool_add(rec)
                 self._ready_by_version.setdefault(rec.min_version, deque()).appendleft(rec.sample_id)
         in_flight = sorted(sid for sid, rec in self._samples.items() if rec.state in GENERATING)
-        out.extend(self.abort(in_flight))
-        self._budget = self.b_max
+        out.extend(self.abort(sid for sid in in_flight if sid not in keep))
+        for sid in in_flight:
+            if sid in keep:                                  # its worker's process is gone: reassigned later
+                self.reassign(sid, -1)
+        self._budget = max(0, self.b_max - self.outstanding)
 
     def recover(self, samples: Iterable[RecoveredSample], *, now: float = 0.0) -> list[Release]:
         """Re-admit finished samples found in shards after a restart that the index does not know.

@@ -13,7 +13,7 @@ Tags on the control communicator:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 TAG_COORDINATOR = 11
@@ -157,6 +157,7 @@ class ShardsFlushed:
     rank: int
     tag: str
     manifest: dict                  # the worker's shard manifest summary
+    partials: list[int] = field(default_factory=list)   # in-flight samples it saved (a run stopping early)
 
 
 @dataclass

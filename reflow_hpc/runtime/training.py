@@ -105,7 +105,7 @@ class TrainingSide:
             StepDone: lambda w, m, now: c.step_done(w, m.step, stats=m.stats, idle_s=m.idle_s, fetch_s=m.fetch_s,
                                                     now=now),
             SyncDone: lambda w, m, now: c.sync_done(w, m.version, seconds=m.seconds, resumed=m.resumed, now=now),
-            ShardsFlushed: lambda w, m, now: c.shards_flushed(w, m.tag, m.manifest, now=now),
+            ShardsFlushed: lambda w, m, now: c.shards_flushed(w, m.tag, m.manifest, now=now, partials=m.partials),
             CheckpointWritten: lambda w, m, now: c.checkpoint_written(w, m.tag, m.path, now=now),
             Switched: lambda w, m, now: c.switched(w, handed_off=m.handed_off, seconds=m.seconds, now=now),
         }

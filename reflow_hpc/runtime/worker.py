@@ -85,6 +85,8 @@ class Worker:
         self.groups: dict[int, tuple[Any, Any]] = {}       # trainer replicas -> (replica group, sync group)
         self.wsyncs: dict[int, Any] = {}                    # trainer replicas -> weight-sync endpoint
         self.holdings: Holdings | None = None
+        self.resume_from: str | None = None
+        self._saved_partials: dict[int, Any] | None = None      # the checkpoint's, read once
         self.idle_s = 0.0              # rollout idle: nothing in flight while in the rollout role
         self.trainer_idle_since = time.monotonic()
         self.stopped = False
@@ -103,6 +105,7 @@ class Worker:
 
         cfg, rank = self.cfg, self.rank
         self.colocated = msg.colocated
+        self.resume_from = msg.resume_from
         self.trainers, self.rollouts = tuple(msg.trainers), tuple(msg.rollouts)
         init_process_group(self.rt.world, device=self.device, single_host=self.rt.single_host,
                            timeout_s=cfg.run.timeout_s, master_addr=cfg.run.master_addr)
@@ -177,6 +180,12 @@ class Worker:
                                     chat_template=cfg.task.chat_template)
         shard_dir = Path(self.rt.topology.scratch) / "shards"
         existing = shard_dir.is_dir() and any(shard_dir.iterdir())
+        collected = cfg.run_dir / "shards" / f"rank{self.rank:05d}"
+        if msg.resume_from and not existing and collected.is_dir():
+            # Resumed on another node (node-local scratch is empty): start from the copy the previous
+            # process set left in the run directory when it stopped (storage.collect).
+            shutil.copytree(collected, shard_dir, dirs_exist_ok=True)
+            existing = True
         if existing and not msg.resume_from:
             # A fresh run must not mix with an old run's rows: keep them, aside, for analysis.
             aside = shard_dir.with_name(f"shards.old-{int(time.time())}")
@@ -357,7 +366,13 @@ class Worker:
         self.rt.send(Switched(rank, handed, time.monotonic() - t0))
 
     def _resume(self, cmd: Resume) -> None:
-        partials = self.fetcher.fetch({cmd.source: [s.sample_id for s in cmd.samples]})
+        if cmd.source < 0:                           # saved in the checkpoint this run resumed from
+            if self._saved_partials is None:
+                from ..storage.partials import load_partials
+                self._saved_partials = load_partials(Path(self.resume_from) / "partials")
+            partials = self._saved_partials
+        else:
+            partials = self.fetcher.fetch({cmd.source: [s.sample_id for s in cmd.samples]})
         for s in cmd.samples:
             self.runner.resume_partial(partials[s.sample_id])
 
@@ -365,7 +380,15 @@ class Worker:
         self.engine.set_concurrency_cap(cmd.cap)
 
     def _flush_for_checkpoint(self, cmd: Checkpoint) -> None:
-        self.rt.send(ShardsFlushed(self.rank, cmd.tag, self._flush_manifest()))
+        saved: list[int] = []
+        if cmd.partials and self.rank in self.rollouts:      # the run stops early: keep what is in flight
+            from ..storage.partials import save_partials
+            from ..train.checkpoint import staging_dir
+            partials = self.runner.hand_off()
+            save_partials(staging_dir(self.cfg.checkpoint_dir, cmd.step, "partials") / f"rank{self.rank}.npz",
+                          partials)
+            saved = [t.sample_id for t in partials]
+        self.rt.send(ShardsFlushed(self.rank, cmd.tag, self._flush_manifest(), saved))
 
     def _flush_manifest(self) -> dict:
         if self.store is None:
@@ -376,12 +399,14 @@ class Worker:
                                                           if isinstance(v, (int, float, str))}}
 
     def _save_checkpoint(self, cmd: SaveCheckpoint) -> None:
-        from ..train.checkpoint import save_checkpoint
+        from ..train.checkpoint import save_checkpoint, staging_dir
         manifests = {**cmd.manifests, str(self.rank): self._flush_manifest()}
         extra = {"coordinator": cmd.state, "manifests": manifests, "config": to_dict(self.cfg)}
+        staged = staging_dir(self.cfg.checkpoint_dir, cmd.step, "partials")
+        include = {"partials": staged} if cmd.state.get("partials") is not None and staged.is_dir() else None
         path = save_checkpoint(self.cfg.checkpoint_dir, cmd.step, model=self.trainer.model, tokenizer=self.tokenizer,
                                trainer_state=self.trainer.state_dict(include_model=False), extra=extra,
-                               keep_last=self.cfg.checkpoint.keep_last)
+                               keep_last=self.cfg.checkpoint.keep_last, include=include)
         self.rt.send(CheckpointWritten(self.rank, cmd.tag, str(path)))
 
     def _snapshot(self, cmd: Snapshot) -> None:

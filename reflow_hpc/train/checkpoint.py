@@ -8,6 +8,8 @@ Layout under the checkpoint root::
                          numpy and torch (CPU and every CUDA device)
         extra/<key>.json what the caller adds: the coordinator stores the replay-buffer index and
                          each worker's shard manifest here
+        partials/        (a run that stopped early) the samples being generated, to continue after a
+                         resume (reflow_hpc.storage.partials)
         meta.json        step and the keys of ``extra``; written last, so its presence marks a
                          complete directory
     latest               one line: the name of the newest complete step directory
@@ -96,12 +98,14 @@ def set_rng_states(state: dict[str, Any]) -> None:
 
 def save_checkpoint(root: str | os.PathLike, step: int, *, model: Any, tokenizer: Any = None,
                     trainer_state: dict[str, Any], extra: dict[str, Any] | None = None, keep_last: int = 0,
-                    fsync: bool = True) -> Path:
+                    fsync: bool = True, include: dict[str, Path] | None = None) -> Path:
     """Write ``root/step_<step>/`` atomically, point ``root/latest`` at it, apply retention.
 
     ``trainer_state`` is :meth:`reflow_hpc.train.trainer.Trainer.state_dict` (a ``model`` entry is
     dropped: the model is stored as a Hugging Face directory). ``extra`` maps file-name-safe keys
-    to JSON-able values. Returns the step directory.
+    to JSON-able values. ``include`` maps names to directories that move into the checkpoint under
+    those names (files staged by other ranks; a staging directory must be on the same file system).
+    Returns the step directory.
     """
     if step < 0:
         raise ValueError(f"checkpoint step {step}: must be ≥ 0")
@@ -113,7 +117,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model: Any, tokenizer
             raise ValueError(f"checkpoint extra key {key!r}: use letters, digits, '_', '.', '-' only (a file name)")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(root)
+    _remove_stale_temporaries(root, keep={Path(d).name for d in (include or {}).values()})
     name = step_dir_name(step)
     final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}"
@@ -129,6 +133,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model: Any, tokenizer
         (tmp / "extra").mkdir()
         for key, value in extra.items():
             (tmp / "extra" / f"{key}.json").write_text(json.dumps(value))
+        for name, directory in (include or {}).items():
+            os.rename(directory, tmp / name)
         (tmp / "meta.json").write_text(json.dumps({"step": int(step), "extra": sorted(extra), "format": 1}))
         if fsync:
             _fsync_tree(tmp)
@@ -157,9 +163,15 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model: Any, tokenizer
     return final
 
 
-def _remove_stale_temporaries(root: Path) -> None:
+def staging_dir(root: str | os.PathLike, step: int, name: str) -> Path:
+    """Where other ranks stage files for the checkpoint of ``step`` (``include`` moves them in)."""
+    return Path(root) / f".{step_dir_name(step)}.{name}"
+
+
+def _remove_stale_temporaries(root: Path, keep: set[str] = frozenset()) -> None:
     for p in root.iterdir():
-        if p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name):
+        if p.name.startswith(".step_") and p.name not in keep and (".tmp-" in p.name or ".old-" in p.name
+                                                                    or p.name.count(".") >= 2):
             shutil.rmtree(p, ignore_errors=True)
 
 
