@@ -103,6 +103,104 @@ def test_the_readme_slurm_lines_work_in_a_fresh_clone(slurm_conf, tmp_path):
     assert (clone / "runs" / "cpu_tiny" / "topology.json").is_file()
 
 
+def _job_field(job_id: str, key: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    m = re.search(rf"\b{key}=(\S+)", out)
+    return m.group(1) if m else ""
+
+
+def _wait_steps(run_dir: Path, steps: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = run_dir / "metrics.jsonl"
+        if m.exists() and sum(1 for ln in m.read_text().splitlines() if '"kind"' not in ln) >= steps:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{run_dir} did not reach {steps} steps in {timeout} s")
+
+
+def _wait_requeued_and_done(job_id: str, timeout: float = 420) -> str:
+    """Wait until the job restarted at least once and then ended; a requeued job that Slurm holds back
+    (BeginTime) is released at once."""
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        state, restarts = _job_field(job_id, "JobState"), _job_field(job_id, "Restarts")
+        if state == "PENDING" and _job_field(job_id, "Reason") == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") and restarts not in ("", "0"):
+            return state
+        if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} still {state} after {timeout} s")
+
+
+def test_usr2_on_slurm_checkpoints_requeues_resumes_and_loses_nothing(slurm_conf, tmp_path, policy_dir):
+    """Preemption end to end on the local cluster (2 emulated nodes): USR2 mid-run, the run checkpoints
+    with its samples in flight, requeues itself, restarts, resumes them and finishes; one accounting
+    identity over the whole job."""
+    name = f"pre{uuid.uuid4().hex[:6]}"
+    steps = 12
+    r = run_cmd(["sbatch", "--parsable", f"--output={tmp_path}/%j.out", "--open-mode=append",
+                 "slurm/reflow_local.sbatch", CFG, "--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}",
+                 "--set", f"model.path={policy_dir}", "--set", "model.warmstart=false", "--set", f"trainer.steps={steps}",
+                 "--set", "trainer.batch_size=16", "--set", "algorithm.group_size=4", "--set", "reflow.b_max=128",
+                 "--set", "run.eval_prompts=0", "--set", "trainer.micro_batch_size=8", "--set", "run.timeout_s=90",
+                 "--set", "scheduler.elastic=false", "--set", f"storage.dir={tmp_path / 'scratch'}"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    run_dir = tmp_path / name
+    try:
+        _wait_steps(run_dir, 3)
+    except AssertionError:
+        raise AssertionError(_job_report(job_id, tmp_path, slurm_conf)) from None
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    state = _wait_requeued_and_done(job_id)
+    log = (tmp_path / f"{job_id}.out").read_text()
+    assert state == "COMPLETED", log + _job_report(job_id, tmp_path, slurm_conf)
+    assert "stop requested" in log and f"requeueing Slurm job {job_id}" in log and "resuming from" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    b = summary["buffer"]
+    ended = sum(b[f"buffer/{k}"] for k in ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost"))
+    assert summary["steps"] == steps and b["buffer/created"] == ended and b["buffer/lost"] == 0
+    assert summary["resumed_partials"] > 0          # the samples in flight at the stop went on after the restart
+    steps_logged = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+                    if '"kind"' not in x]
+    assert steps_logged == list(range(1, steps + 1))
+
+
+def test_usr2_through_submitit_requeues_and_resumes(slurm_conf, tmp_path, policy_dir):
+    """The same preemption through ``python -m reflow_hpc.submit``: submitit's job, requeued by rank 0,
+    restarts the pickled task, which resumes from the checkpoint and finishes."""
+    name = f"subpre{uuid.uuid4().hex[:6]}"
+    steps = 10
+    sets = [f"run.output_dir={tmp_path}", f"run.name={name}", f"model.path={policy_dir}", "model.warmstart=false",
+            f"trainer.steps={steps}", "trainer.batch_size=16", "algorithm.group_size=4", "reflow.b_max=128",
+            "run.eval_prompts=0", "trainer.micro_batch_size=8", "run.timeout_s=90", "scheduler.elastic=false",
+            f"storage.dir={tmp_path / 'scratch'}", f"slurm.log_dir={tmp_path}/logs"]
+    args = ["python", "-m", "reflow_hpc.submit", "--nodes", "2", CFG]
+    for s_ in sets:
+        args += ["--set", s_]
+    r = run_cmd(args, timeout=120)
+    m = re.search(r"submitted job (\d+)", r.stdout)
+    assert r.returncode == 0 and m, r.stdout + r.stderr
+    job_id = m.group(1)
+    run_dir = tmp_path / name
+    try:
+        _wait_steps(run_dir, 3)
+    except AssertionError:
+        raise AssertionError(_job_report(job_id, tmp_path / "logs", slurm_conf)) from None
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    state = _wait_requeued_and_done(job_id)
+    assert state == "COMPLETED", _job_report(job_id, tmp_path / "logs", slurm_conf)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    b = summary["buffer"]
+    ended = sum(b[f"buffer/{k}"] for k in ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost"))
+    assert summary["steps"] == steps and b["buffer/created"] == ended and b["buffer/lost"] == 0
+
+
 def test_submit_wait_through_submitit(slurm_conf, tmp_path):
     name = f"sub{uuid.uuid4().hex[:8]}"
     r = run_cmd(["python", "-m", "reflow_hpc.submit", "--nodes", "2", "--wait", CFG, "--set",
