@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from .config import Config, ConfigError, load, main_guard
@@ -65,9 +66,24 @@ def relaunch(cfg: Config, argv: list[str]) -> int:
         else:
             print(f"reflow_hpc: resources.cpu_quota = {cfg.resources.cpu_quota:g} not applied: {why}; "
                   f"running without it", file=sys.stderr, flush=True)
-    cmd = [find_mpiexec(cfg), "-n", str(cfg.resources.workers), *rank_cmd]
+    launcher = find_mpiexec(cfg)
+    # Hydra (MPICH) kills every rank the moment one dies, too fast to tell which one died first; this
+    # process watches the ranks itself instead (_watch_ranks), names the dead one and stops the rest.
+    hydra = "HYDRA" in subprocess.run([launcher, "--version"], capture_output=True, text=True).stdout
+    watch = hydra and "--check" not in argv
+    cmd = [launcher, *(["-disable-auto-cleanup"] if watch else []), "-n", str(cfg.resources.workers), *rank_cmd]
     env = dict(os.environ, REFLOW_RELAUNCHED="1")
-    proc = subprocess.Popen(cmd, env=env)
+    # The launcher's output passes through here line by line, so that a rank killed without a word
+    # (which only the launcher reports, by pid) can be explained in one line at the end.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tail: list[str] = []
+    first_dead: list[dict] = []
+    pumps = [threading.Thread(target=_pump, args=(stream, out, tail), daemon=True)
+             for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    if watch:
+        pumps.append(threading.Thread(target=_watch_ranks, args=(cfg, proc, first_dead), daemon=True))
+    for t in pumps:
+        t.start()
 
     def forward(signum: int, _frame: object) -> None:
         proc.send_signal(signum)
@@ -75,14 +91,80 @@ def relaunch(cfg: Config, argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, forward)
     try:
-        return proc.wait()
+        code = proc.wait()
     except KeyboardInterrupt:
         proc.send_signal(signal.SIGINT)
-        return proc.wait()
+        code = proc.wait()
     finally:
         if group:
             from .runtime import cpuquota
             cpuquota.remove(group, cfg.resources.workers)
+    for t in pumps:
+        t.join(timeout=10)
+    if code not in (0, 2):
+        from .postmortem import diagnose
+        line = diagnose(cfg, tail, code, first_dead[0] if first_dead else None)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+    return code
+
+
+# Lines of the launcher's output kept for the post-mortem (hydra's report of a dead rank is ~10 lines).
+POSTMORTEM_LINES = 200
+
+
+# How often the launcher looks for ranks that died; a killed rank's peers are stopped by the launcher
+# within milliseconds to seconds, so the first one gone is the one that died.
+RANK_WATCH_S = 0.05
+
+
+def _watch_ranks(cfg: Config, proc: subprocess.Popen, first_dead: list[dict]) -> None:
+    """While the job trains (topology.json written, summary.json not yet), a rank whose process is gone
+    died: note it and kill the others, as hydra would have, so the job ends at once."""
+    import json
+    import time
+    started = time.time()
+    fresh = lambda p: p.is_file() and p.stat().st_mtime >= started     # noqa: E731 - written by this job
+    topology, summary = cfg.run_dir / "topology.json", cfg.run_dir / "summary.json"
+    ranks: list[dict] = []
+    while proc.poll() is None:
+        time.sleep(RANK_WATCH_S)
+        if not ranks:
+            if fresh(topology):
+                try:
+                    ranks = json.loads(topology.read_text())["ranks"]
+                except (ValueError, KeyError, OSError):
+                    ranks = []
+            continue
+        if fresh(summary):
+            return                          # training ended: ranks leave one by one from here on
+        gone = [r for r in ranks if not _alive(int(r["pid"]))]
+        if gone:
+            first_dead.append(gone[0])
+            for r in ranks:
+                if r not in gone:
+                    try:
+                        os.kill(int(r["pid"]), signal.SIGKILL)
+                    except OSError:
+                        pass
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")    # a zombie has died
+    except (OSError, IndexError):
+        return False
+
+
+def _pump(stream, out, tail: list[str]) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        out.write(line)
+        out.flush()
+        tail.append(line.rstrip("\n"))
+        del tail[:-POSTMORTEM_LINES]
 
 
 def check_resume(cfg: Config) -> None:

@@ -28,8 +28,10 @@ ALLOWED = {
     "warmstart": {"config", "envs", "evaluation", "policy", "train"},
     "sim": {"core", "config", "metrics"},
     "runtime": BELOW_RUNTIME,
-    "run": BELOW_RUNTIME | {"runtime"},
+    "postmortem": BELOW_RUNTIME,
+    "run": BELOW_RUNTIME | {"runtime", "postmortem"},
     "submit": BELOW_RUNTIME | {"runtime", "run"},
+    "analyze": {"core", "config", "trajectory", "storage", "metrics"},   # offline: no runtime, comm or torch
 }
 # Third-party modules that would make a pure part impure.
 IMPURE = {"mpi4py", "torch", "h5py", "time", "threading", "socket"}

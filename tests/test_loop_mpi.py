@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, leftover_processes
 from loop_common import CFG, check_logprobs_by_version, run, shard_samples, terminal
 from reflow_hpc.metrics import read_jsonl
 
@@ -150,3 +150,49 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_anything(tmp_path
     assert s2["buffer"]["buffer/created"] == terminal(s2)
     assert s2["buffer"]["buffer/created"] > s1["buffer"]["buffer/created"]
     assert s2["buffer"]["buffer/lost"] == 0
+
+
+def test_kill_9_of_a_rank_mid_training_ends_the_job_naming_it_and_a_rerun_resumes(tmp_path, policy_dir):
+    """A rank killed without a word: the launcher names it and what the job was doing, stops the rest
+    well before run.timeout_s, and the same command resumes from the newest checkpoint, nothing lost."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    name = f"kill{uuid.uuid4().hex[:6]}"
+    timeout_s = 90
+    sets = ["reflow.mode=reflow", "trainer.batch_size=16", "algorithm.group_size=4", "storage.flush_rows=1",
+            "trainer.steps=14", "checkpoint.every_steps=4", "scheduler.elastic=false", "run.eval_prompts=0"]
+    args = [sys.executable, "-m", "reflow_hpc.run", CFG]
+    for s_ in [f"run.output_dir={tmp_path}", f"run.name={name}", f"model.path={policy_dir}", "model.warmstart=false",
+               f"run.timeout_s={timeout_s}", f"storage.dir={tmp_path / 'scratch'}", "trainer.micro_batch_size=8",
+               *sets]:
+        args += ["--set", s_]
+    run_dir = tmp_path / name
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:               # a checkpoint, then a step or two more
+        m = run_dir / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 6:
+            break
+        time.sleep(0.2)
+    victim = random.randrange(4)
+    pid = json.loads((run_dir / "topology.json").read_text())["ranks"][victim]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=300)
+    assert time.monotonic() - t0 < timeout_s / 2, "the job waited for a timeout instead of ending at once"
+    assert proc.returncode not in (0, 2)
+    lines = [ln for ln in err.splitlines() if ln.startswith("reflow_hpc: rank")]
+    assert lines and f"reflow_hpc: rank {victim} (" in lines[-1] and "killed by signal 9 during training" in lines[-1], \
+        (victim, err[-3000:])
+    assert "run the same command again to resume" in lines[-1]
+    assert leftover_processes(name) == []
+
+    _, m2, s2, r2 = run(tmp_path, policy_dir, *sets, name=name)
+    assert "resuming from" in r2.stdout
+    assert s2["steps"] == 14
+    assert s2["buffer"]["buffer/created"] == terminal(s2) and s2["buffer"]["buffer/lost"] == 0

@@ -171,6 +171,35 @@ def test_usr2_on_slurm_checkpoints_requeues_resumes_and_loses_nothing(slurm_conf
     assert steps_logged == list(range(1, steps + 1))
 
 
+def test_kill_9_of_a_rank_under_slurm_is_named_in_one_line(slurm_conf, tmp_path, policy_dir):
+    """srun ends the job when a rank is killed (--kill-on-bad-exit); the batch script's post-mortem names the
+    rank and what the job was doing, well before run.timeout_s."""
+    import os
+    import signal
+
+    name = f"k9{uuid.uuid4().hex[:6]}"
+    r = run_cmd(["sbatch", "--parsable", f"--output={tmp_path}/%j.out", "slurm/reflow_local.sbatch", CFG,
+                 "--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}", "--set", f"model.path={policy_dir}",
+                 "--set", "model.warmstart=false", "--set", "trainer.steps=200", "--set", "trainer.batch_size=16",
+                 "--set", "algorithm.group_size=4", "--set", "run.eval_prompts=0", "--set", "run.timeout_s=120",
+                 "--set", "checkpoint.every_steps=2", "--set", f"storage.dir={tmp_path / 'scratch'}"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    run_dir = tmp_path / name
+    try:
+        _wait_steps(run_dir, 3)
+    except AssertionError:
+        raise AssertionError(_job_report(job_id, tmp_path, slurm_conf)) from None
+    pid = json.loads((run_dir / "topology.json").read_text())["ranks"][2]["pid"]
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    state = _wait_job(job_id, timeout=120)
+    assert time.monotonic() - t0 < 60
+    log = (tmp_path / f"{job_id}.out").read_text()
+    assert state == "FAILED", log + _job_report(job_id, tmp_path, slurm_conf)
+    assert "reflow_hpc: rank 2 (node n2" in log and "during training (after step" in log, log[-3000:]
+
+
 def test_usr2_through_submitit_requeues_and_resumes(slurm_conf, tmp_path, policy_dir):
     """The same preemption through ``python -m reflow_hpc.submit``: submitit's job, requeued by rank 0,
     restarts the pickled task, which resumes from the checkpoint and finishes."""
