@@ -119,6 +119,15 @@ def _wait_steps(run_dir: Path, steps: int, timeout: float = 240) -> None:
     raise AssertionError(f"{run_dir} did not reach {steps} steps in {timeout} s")
 
 
+def _finished_losing_nothing(run_dir: Path, steps: int) -> dict:
+    """The run did all its steps and every sample it created ended exactly once, none lost."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    b = summary["buffer"]
+    ended = sum(b[f"buffer/{k}"] for k in ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost"))
+    assert summary["steps"] == steps and b["buffer/created"] == ended and b["buffer/lost"] == 0, b
+    return summary
+
+
 def _wait_requeued_and_done(job_id: str, timeout: float = 420) -> str:
     """Wait until the job restarted at least once and then ended; a requeued job that Slurm holds back
     (BeginTime) is released at once."""
@@ -161,10 +170,7 @@ def test_usr2_on_slurm_checkpoints_requeues_resumes_and_loses_nothing(slurm_conf
     log = (tmp_path / f"{job_id}.out").read_text()
     assert state == "COMPLETED", log + _job_report(job_id, tmp_path, slurm_conf)
     assert "stop requested" in log and f"requeueing Slurm job {job_id}" in log and "resuming from" in log
-    summary = json.loads((run_dir / "summary.json").read_text())
-    b = summary["buffer"]
-    ended = sum(b[f"buffer/{k}"] for k in ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost"))
-    assert summary["steps"] == steps and b["buffer/created"] == ended and b["buffer/lost"] == 0
+    summary = _finished_losing_nothing(run_dir, steps)
     assert summary["resumed_partials"] > 0          # the samples in flight at the stop went on after the restart
     steps_logged = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
                     if '"kind"' not in x]
@@ -224,10 +230,7 @@ def test_usr2_through_submitit_requeues_and_resumes(slurm_conf, tmp_path, policy
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     state = _wait_requeued_and_done(job_id)
     assert state == "COMPLETED", _job_report(job_id, tmp_path / "logs", slurm_conf)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    b = summary["buffer"]
-    ended = sum(b[f"buffer/{k}"] for k in ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost"))
-    assert summary["steps"] == steps and b["buffer/created"] == ended and b["buffer/lost"] == 0
+    _finished_losing_nothing(run_dir, steps)
 
 
 def test_submit_wait_through_submitit(slurm_conf, tmp_path):

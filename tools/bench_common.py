@@ -32,6 +32,17 @@ def run(config: str, name: str, sets: list[str], out: Path, timeout: float) -> t
     return run_dir, read_jsonl(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text()), wall
 
 
+def prepare(config: str, sets: list[str]):
+    """The config with the benchmark's overrides, its policy warm-started first if it asks for that
+    (one warm start shared by every run of the benchmark)."""
+    from reflow_hpc.config import load
+    cfg = load(config, sets)
+    if cfg.model.warmstart:
+        from reflow_hpc.warmstart import ensure_policy
+        ensure_policy(cfg)
+    return cfg
+
+
 def mean(xs) -> float:
     xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
     return sum(xs) / len(xs) if xs else math.nan

@@ -31,9 +31,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, mean, run, table  # noqa: E402
+from bench_common import ROOT, mean, prepare, run, table  # noqa: E402
 
-from reflow_hpc.config import load  # noqa: E402
 
 
 def measure(name: str, metrics: list[dict], summary: dict, warmup: int, wall: float) -> dict:
@@ -60,11 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    cfg = load(args.config, args.sets)
+    cfg = prepare(args.config, args.sets)
     steps = args.steps or cfg.trainer.steps
-    if cfg.model.warmstart:
-        from reflow_hpc.warmstart import ensure_policy
-        ensure_policy(cfg)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_elastic-"))
     common = ["reflow.mode=reflow", f"trainer.steps={steps}", f"resources.cpu_quota={args.cpu_quota}",
               "run.eval_prompts=0", "checkpoint.every_steps=0", *args.sets]

@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, mean, median, run, table  # noqa: E402
+from bench_common import ROOT, mean, median, prepare, run, table  # noqa: E402
 
-from reflow_hpc.config import load  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,10 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    cfg = load(args.config, args.sets)
-    if cfg.model.warmstart:
-        from reflow_hpc.warmstart import ensure_policy
-        ensure_policy(cfg)
+    cfg = prepare(args.config, args.sets)
     base = cfg.resources.trainer_replicas
     schedule = [f"{4 * k + 2}:{base + 1}" for k in range(args.switches)] + \
                [f"{4 * k + 4}:{base}" for k in range(args.switches)]
