@@ -1,0 +1,5 @@
+import sys
+
+from reflow_hpc.analyze.cli import main
+
+sys.exit(main())

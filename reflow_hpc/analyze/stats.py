@@ -1,0 +1,321 @@
+"""Accumulators of one streaming pass over a run: shard rows, the event log and the step metrics.
+
+Each accumulator holds sums indexed by a small integer key (a version, a length, a rank, a step)
+or one small integer per sample id, never a list of samples, so memory grows with the number of
+versions and sample ids, not with tokens. Everything is added up in one pass over each source and
+read once at the end (:mod:`reflow_hpc.analyze.report`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Role codes of the role timeline (metrics ``role/<rank>``); 0 = no record for the rank that step.
+ROLES = ("", "trainer", "rollout", "trainer+rollout", "idle")
+
+
+class Tally:
+    """Named sums over a non-negative integer key, grown as larger keys appear.
+
+    ``add(keys, name=weights, ...)`` adds ``np.bincount(keys, weights)`` to each named column (a
+    column named ``count`` with no weights counts the keys).
+    """
+
+    def __init__(self, *names: str):
+        self.cols: dict[str, np.ndarray] = {n: np.zeros(0) for n in names}
+
+    def add(self, keys: np.ndarray, **weights: np.ndarray) -> None:
+        if len(keys) == 0:
+            return
+        keys = np.asarray(keys, np.int64)
+        if keys.min() < 0:
+            raise ValueError("Tally keys must be ≥ 0")
+        n = int(keys.max()) + 1
+        for name, col in self.cols.items():
+            w = weights.get(name)
+            add = np.bincount(keys, None if w is None else np.asarray(w, np.float64), minlength=n)
+            if len(col) < len(add):
+                col = self.cols[name] = np.concatenate([col, np.zeros(len(add) - len(col))])
+            col[:len(add)] += add
+
+    def __len__(self) -> int:
+        return max((len(c) for c in self.cols.values()), default=0)
+
+    def get(self, name: str) -> np.ndarray:
+        """The column, padded to the common length."""
+        col = self.cols[name]
+        return np.concatenate([col, np.zeros(len(self) - len(col))]) if len(col) < len(self) else col
+
+
+# ---------------------------------------------------------------------------------------- shards
+
+class ShardStats:
+    """Sums over the verified shard rows (``rows`` records: reward, versions, lengths, owner, reason).
+
+    Response length = ``num_tokens - prompt_len`` (generated tokens plus tool observations, read from
+    the row table without touching the token data). Per-version figures are keyed by the row's
+    ``min_version`` (the version of its oldest generated token, the one staleness counts), stored at
+    key ``min_version + 1`` so that a row with no generated token (-1) has a key.
+    """
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.finish_reasons: Counter[str] = Counter()
+        self.by_version = Tally("count", "reward", "reward2", "length", "length2")
+        self.lengths = Tally("count")
+        self.by_owner = Tally("samples", "tokens", "response")
+        self.files: set[str] = set()
+
+    def add(self, file: str, rows: np.ndarray) -> None:
+        self.samples += len(rows)
+        self.files.add(file)
+        reasons, counts = np.unique(rows["finish_reason"], return_counts=True)
+        for r, c in zip(reasons, counts):
+            self.finish_reasons[bytes(r).decode("utf-8", "replace") or "?"] += int(c)
+        length = np.maximum(rows["num_tokens"].astype(np.int64) - rows["prompt_len"], 0)
+        reward = rows["reward"].astype(np.float64)
+        finite = np.isfinite(reward)
+        reward = np.where(finite, reward, 0.0)
+        v = rows["min_version"].astype(np.int64) + 1
+        ok = v >= 0
+        self.by_version.add(v[ok], count=finite[ok].astype(np.float64), reward=reward[ok],
+                            reward2=reward[ok] ** 2, length=length[ok], length2=length[ok] ** 2.0)
+        self.lengths.add(length)
+        owner = rows["owner"].astype(np.int64)
+        mine = owner >= 0
+        self.by_owner.add(owner[mine], samples=np.ones(int(mine.sum())), tokens=rows["num_tokens"][mine],
+                          response=length[mine])
+
+
+# ----------------------------------------------------------------------------------------- events
+
+@dataclass
+class Step:
+    """One step as the event log has it: where its batch was composed and where it ended."""
+    compose_t: float
+    compose_line: int
+    version: int
+    size: int
+    replay: int
+    stale_sum: int
+    stale_max: int
+    train_t: float | None = None
+    train_line: int | None = None
+
+
+@dataclass
+class Block:
+    """A stretch in which the run's trainer could not start a step although it was free: a checkpoint
+    round (from the end of the step before it), a role switch, or a colocated weight load."""
+    kind: str
+    after_step: int          # the last step that ended before it (-1: none)
+    start_t: float
+    start_line: int
+    end_t: float = float("nan")
+    end_line: int = -1
+
+
+@dataclass
+class EventStats:
+    """Sums over ``events.jsonl`` (schema: docs/storage.md, "The event log")."""
+    events: int = 0
+    by_kind: Counter = field(default_factory=Counter)
+    created: int = 0
+    finished: int = 0
+    failed: int = 0
+    by_reason: Counter = field(default_factory=Counter)
+    finish_reasons: Counter = field(default_factory=Counter)
+    evicted_unused: int = 0                  # ended evicted_stale before any step trained on them
+    unknown_ids: int = 0                     # ids in events that no dispatch created
+    steps: list[Step] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    starts: list[tuple[int, float, Any]] = field(default_factory=list)   # (line, t, resume_from)
+    staleness: dict[str, Tally] = field(default_factory=lambda: {"unused": Tally("count"), "replay": Tally("count")})
+    tokens_by_worker: dict[int, list[float]] = field(default_factory=dict)   # loss tokens finished, by version
+    first_t: float | None = None
+
+    def __post_init__(self) -> None:
+        self._times_trained = np.zeros(1024, np.int32)
+        self._finished = np.zeros(1024, np.bool_)
+        self._next_id = 0                    # one past the largest dispatched id
+        self._open_switch: Block | None = None
+        self._open_sync: Block | None = None
+        self._handlers = {"dispatch": self._dispatch, "finish": self._finish, "failed": self._failed,
+                          "compose": self._compose, "train": self._train, "end": self._end,
+                          "checkpoint": self._checkpoint, "switch": self._switch, "switched": self._switched,
+                          "sync": self._sync, "synced": self._synced, "start": self._start}
+
+    # -------------------------------------------------------------------------------- feeding
+
+    def feed(self, line: int, e: dict) -> None:
+        kind = e.get("e")
+        self.events += 1
+        self.by_kind[kind] += 1
+        t = e.get("t")
+        if self.first_t is None and isinstance(t, (int, float)):
+            self.first_t = t
+        handler = self._handlers.get(kind)
+        if handler is not None:
+            try:
+                handler(line, e)
+            except (KeyError, TypeError, ValueError, IndexError):
+                self.by_kind["malformed"] += 1      # a well-formed line with missing or odd fields
+
+    def _known(self, sid: int) -> bool:
+        if 0 <= sid < self._next_id:
+            return True
+        self.unknown_ids += 1
+        return False
+
+    def _dispatch(self, line: int, e: dict) -> None:
+        ids = e["ids"]
+        self.created += len(ids)
+        top = max(ids) + 1 if ids else 0
+        if top > self._next_id:
+            self._next_id = top
+            if top > len(self._times_trained):
+                grow = max(top, 2 * len(self._times_trained)) - len(self._times_trained)
+                self._times_trained = np.concatenate([self._times_trained, np.zeros(grow, np.int32)])
+                self._finished = np.concatenate([self._finished, np.zeros(grow, np.bool_)])
+
+    def _finish(self, line: int, e: dict) -> None:
+        sid = e["id"]
+        self.finished += 1
+        self.finish_reasons[e.get("reason", "?")] += 1
+        if self._known(sid):
+            self._finished[sid] = True
+        w, v = e["w"], e["v"]
+        if w >= 0 and v >= 0:
+            by_version = self.tokens_by_worker.get(w)
+            if by_version is None:
+                by_version = self.tokens_by_worker[w] = []
+            if v >= len(by_version):
+                by_version.extend([0.0] * (v + 1 - len(by_version)))
+            by_version[v] += e["tokens"]
+
+    def _failed(self, line: int, e: dict) -> None:
+        self.failed += 1
+
+    def _compose(self, line: int, e: dict) -> None:
+        ids = np.asarray(e["ids"], np.int64)
+        replay = np.asarray(e["replay"], np.int64)
+        stale = np.asarray(e["stale"], np.int64)
+        known = (ids >= 0) & (ids < self._next_id)
+        self.unknown_ids += int((~known).sum())
+        np.add.at(self._times_trained, ids[known], 1)
+        for name, mask in (("unused", replay == 0), ("replay", replay != 0)):
+            self.staleness[name].add(np.maximum(stale[mask], 0))
+        self.steps.append(Step(e["t"], line, int(e["v"]), len(ids), int(replay.sum()), int(stale.sum()),
+                               int(stale.max()) if len(stale) else 0))
+
+    def _train(self, line: int, e: dict) -> None:
+        k = int(e["step"])
+        if 0 <= k < len(self.steps) and self.steps[k].train_line is None:
+            self.steps[k].train_t, self.steps[k].train_line = e["t"], line
+
+    def _end(self, line: int, e: dict) -> None:
+        reason = e["reason"]
+        self.by_reason[reason] += 1
+        sid = e["id"]
+        if reason == "evicted_stale" and self._known(sid) and self._times_trained[sid] == 0:
+            self.evicted_unused += 1
+
+    def _last_train(self) -> tuple[int, float, int] | None:
+        for k in range(len(self.steps) - 1, -1, -1):
+            s = self.steps[k]
+            if s.train_line is not None:
+                return k, s.train_t, s.train_line
+        return None
+
+    def _checkpoint(self, line: int, e: dict) -> None:
+        # The round began when the step before it ended (it needs no batch in training and holds
+        # every later one back), so the trainer was blocked from that step's end to this line.
+        last = self._last_train()
+        if last is not None:
+            k, t, ln = last
+        elif self.starts:
+            k, (ln, t, _) = -1, self.starts[-1]
+        else:
+            return
+        self.blocks.append(Block("checkpoint", k, t, ln, e["t"], line))
+
+    def _switch(self, line: int, e: dict) -> None:
+        self._open_switch = self._open(line, e, "switch")
+
+    def _switched(self, line: int, e: dict) -> None:
+        self._close(self._open_switch, line, e)
+        self._open_switch = None
+
+    def _sync(self, line: int, e: dict) -> None:
+        self._open_sync = self._open(line, e, "sync")
+
+    def _synced(self, line: int, e: dict) -> None:
+        self._close(self._open_sync, line, e)
+        self._open_sync = None
+
+    def _open(self, line: int, e: dict, kind: str) -> Block:
+        last = self._last_train()
+        return Block(kind, last[0] if last else -1, e["t"], line)
+
+    def _close(self, block: Block | None, line: int, e: dict) -> None:
+        if block is not None:
+            block.end_t, block.end_line = e["t"], line
+            self.blocks.append(block)
+
+    def _start(self, line: int, e: dict) -> None:
+        self.starts.append((line, e["t"], e.get("resume_from")))
+
+    # -------------------------------------------------------------------------------- results
+
+    def times_trained(self) -> np.ndarray:
+        """How many steps trained on each finished sample (0: never)."""
+        n = self._next_id
+        return self._times_trained[:n][self._finished[:n]]
+
+    @property
+    def resumed(self) -> bool:
+        return len(self.starts) > 1          # a second start: a new process set resumed the run
+
+
+# ---------------------------------------------------------------------------------------- metrics
+
+@dataclass
+class MetricStats:
+    """The step records of ``metrics.jsonl`` that the report plots: time, idle ratios, roles."""
+    step: list[int] = field(default_factory=list)
+    time: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    idle_trainer: list[float] = field(default_factory=list)
+    idle_rollout: list[float] = field(default_factory=list)
+    roles: dict[int, bytearray] = field(default_factory=dict)   # rank -> role code per step (ROLES), a byte each
+    evals: int = 0
+
+    def feed(self, line: int, r: dict) -> None:
+        if r.get("kind", "step") != "step":
+            self.evals += r.get("kind") == "eval"
+            return
+        n = len(self.step)
+        self.step.append(int(r.get("step", n + 1)))
+        self.time.append(_num(r.get("time")))
+        self.step_seconds.append(_num(r.get("step_seconds")))
+        self.idle_trainer.append(_num(r.get("idle_ratio/trainer")))
+        self.idle_rollout.append(_num(r.get("idle_ratio/rollout")))
+        for key, value in r.items():
+            if key.startswith("role/"):
+                try:
+                    rank = int(key[5:])
+                except ValueError:
+                    continue
+                codes = self.roles.setdefault(rank, bytearray())
+                codes.extend(bytes(n - len(codes)))
+                codes.append(ROLES.index(value) if value in ROLES else 0)
+        for codes in self.roles.values():
+            codes.extend(bytes(n + 1 - len(codes)))
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
