@@ -113,7 +113,7 @@ def test_bad_data_is_reported_by_file_and_rows_and_the_rest_analysed(real_run, t
     with open(run_dir / "metrics.jsonl", "ab") as f:
         f.write(b'{"step": 17, "idle_ratio/trai')                          # a line cut by a crash
 
-    r = python_m("reflow_hpc.analyze", str(run_dir), "--out", str(tmp_path / "a"), "--json")
+    r = python_m("reflow_hpc.analyze", str(run_dir), "--out", str(tmp_path / "a"), "--json", "--no-plots")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     bad = res["unreadable"]
@@ -137,4 +137,15 @@ def test_bad_data_is_reported_by_file_and_rows_and_the_rest_analysed(real_run, t
     lost = sum(u.get("samples", 0) for u in bad if u["file"].startswith("shards/") and "rows" in u)
     assert res["samples"] + lost == clean["samples"] and res["unreadable_samples"] == lost
     assert res["by_reason"] == clean["by_reason"] and res["steps"] == clean["steps"]
-    assert res["plots"] and "unreadable: " in r.stdout and "token checksum mismatch" in r.stdout
+    assert "unreadable: " in r.stdout and "token checksum mismatch" in r.stdout
+
+
+def test_shards_never_collected_are_read_from_the_ranks_scratch(real_run, tmp_path):
+    """A run that crashed never copied its shards into the run directory: they are read where the
+    ranks left them (topology.json names each rank's scratch)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(real_run[0], run_dir, ignore=shutil.ignore_patterns("shards", "*.pt", "*.safetensors", "analysis"))
+    res, text = analyze_run(run_dir, tmp_path / "a", plots=False)
+    collected = sum(len(scan_directory(d).locations()) for d in (real_run[0] / "shards").glob("rank*"))
+    assert res["samples"] == collected and res["unreadable"] == []
+    assert res["shards_from"].startswith("node-local scratch") and "node-local scratch" in text

@@ -29,7 +29,7 @@ def reflow_run(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["fully_async", "one_step_off", "sync"])
 def test_the_replay_reproduces_every_mode(tmp_path, mode):
     run_dir = tmp_path / "run"
-    synthesise(run_dir, 1500, 1, [f"reflow.mode={mode}", "reflow.sigma=0", *SMALL])
+    synthesise(run_dir, 1000, 1, [f"reflow.mode={mode}", "reflow.sigma=0", *SMALL])
     res, _ = analyze_run(run_dir, tmp_path / "a", what_if_overrides=[], plots=False)
     base = res["what_if"]["outcomes"][1]
     assert res["reproduces_run"], base

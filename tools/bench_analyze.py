@@ -7,8 +7,9 @@
    is driven by a small discrete-event model of the cluster (rollout workers that generate each
    sample in time proportional to its length and record the versions they held; trainer replicas
    whose step takes time proportional to the batch's tokens; syncs and checkpoints answered after a
-   fixed delay; each worker trains, syncs and checkpoints one command at a time). Every finished sample is written by the project's own ``ShardWriter`` into
-   ``shards/rank*/`` with its tokens, log-probs and per-token versions; ``events.jsonl``,
+   fixed delay; each worker trains, syncs and checkpoints one command at a time). Every finished
+   sample is written by the project's own ``ShardWriter`` into ``shards/rank*/`` with its tokens,
+   log-probs and per-token versions; ``events.jsonl``,
    ``metrics.jsonl``, ``summary.json`` and ``topology.json`` are written as a run writes them.
 2. Time the analysis as a user runs it, in a fresh process pinned to one core: the report alone
    (with and without plots), then ``--what-if`` under the run's own settings (which must reproduce

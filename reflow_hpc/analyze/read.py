@@ -146,31 +146,43 @@ class Flush:
 class ShardWalk:
     """Every verified row under ``<run dir>/shards/rank*/``, segment by segment, in chunks.
 
+    A run copies its shards there when it ends; a run that crashed left them in each rank's
+    node-local scratch (``scratch_dirs``: ``topology.json``'s ``ranks[].scratch`` + ``/shards``),
+    which are read instead when the run directory has none and they exist on this host.
+
     Iterate it for :class:`SegmentRows`; afterwards ``segments`` counts the segment files seen,
-    ``flushes`` lists the verified batches, and ``bad`` (shared with the caller) holds what could
-    not be read.
+    ``flushes`` lists the verified batches, ``source`` says where the shards were found, and ``bad``
+    (shared with the caller) holds what could not be read.
     """
 
-    def __init__(self, run_dir: Path, bad: list[Unreadable], *, chunk_rows: int, verify: bool = True):
+    def __init__(self, run_dir: Path, bad: list[Unreadable], *, chunk_rows: int, verify: bool = True,
+                 scratch_dirs: list[Path] = ()):
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows = {chunk_rows}: must be ≥ 1")
         self.run_dir, self.bad, self.chunk_rows, self.verify = run_dir, bad, chunk_rows, verify
+        self.scratch_dirs = list(scratch_dirs)
         self.segments = 0
         self.flushes: list[Flush] = []
+        self.source = "shards"
 
     def rank_dirs(self) -> list[Path]:
         root = self.run_dir / "shards"
-        if not root.is_dir():
-            self.bad.append(Unreadable("shards", "missing (no shard directory in the run directory)"))
-            return []
-        return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("rank"))
+        if root.is_dir():
+            return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("rank"))
+        found = [d for d in self.scratch_dirs if d.is_dir()]
+        if found:
+            self.source = "node-local scratch (" + ", ".join(map(str, found)) + ")"
+            return found
+        self.bad.append(Unreadable("shards", "missing (no shard directory in the run directory, and no rank's "
+                                             "node-local scratch on this host)"))
+        return []
 
     def __iter__(self) -> Iterator[SegmentRows]:
         for d in self.rank_dirs():
             yield from self._rank(d)
 
     def _rel(self, path: Path) -> str:
-        return str(path.relative_to(self.run_dir))
+        return str(path.relative_to(self.run_dir)) if path.is_relative_to(self.run_dir) else str(path)
 
     def _rank(self, d: Path) -> Iterator[SegmentRows]:
         entries: dict[str, SegmentEntry] = {}

@@ -44,6 +44,7 @@ class Sources:
     summary: dict | None
     topology: dict | None
     segments: int = 0
+    shards_from: str = "shards"
     flushes: list[Flush] = field(default_factory=list)
     bad: list[Unreadable] = field(default_factory=list)
 
@@ -51,8 +52,12 @@ class Sources:
 def collect(run_dir: Path, *, chunk_rows: int, verify: bool = True) -> Sources:
     """One pass over every source of ``run_dir`` (module docstring); never raises for bad data."""
     bad: list[Unreadable] = []
+    topology = read_json(run_dir / "topology.json", "topology.json", bad)
+    topology = topology if isinstance(topology, dict) else None
+    scratch = [Path(r["scratch"]) / "shards" for r in (topology or {}).get("ranks", [])
+               if isinstance(r, dict) and isinstance(r.get("scratch"), str)]
     shards = ShardStats()
-    walk = ShardWalk(run_dir, bad, chunk_rows=chunk_rows, verify=verify)
+    walk = ShardWalk(run_dir, bad, chunk_rows=chunk_rows, verify=verify, scratch_dirs=scratch)
     for chunk in walk:
         shards.add(chunk.file, chunk.rows)
     events: EventStats | None = EventStats()
@@ -64,9 +69,8 @@ def collect(run_dir: Path, *, chunk_rows: int, verify: bool = True) -> Sources:
     for line, r in iter_jsonl(run_dir / "metrics.jsonl", "metrics.jsonl", bad):
         metrics.feed(line, r)
     summary = read_json(run_dir / "summary.json", "summary.json", bad)
-    topology = read_json(run_dir / "topology.json", "topology.json", bad)
-    return Sources(run_dir, shards, events, metrics, summary if isinstance(summary, dict) else None,
-                   topology if isinstance(topology, dict) else None, walk.segments, walk.flushes, bad)
+    return Sources(run_dir, shards, events, metrics, summary if isinstance(summary, dict) else None, topology,
+                   walk.segments, walk.source, walk.flushes, bad)
 
 
 # ------------------------------------------------------------------------------------------ result
@@ -82,8 +86,9 @@ def result(src: Sources, *, max_points: int) -> dict[str, Any]:
         "ranks": (src.topology or {}).get("world_size"),
         "samples": sh.samples,
         "segments": src.segments,
+        "shards_from": src.shards_from,
         "unreadable": [u.to_json() for u in src.bad],
-        "unreadable_samples": sum(u.samples or 0 for u in src.bad if u.file.startswith("shards")),
+        "unreadable_samples": sum(u.samples or 0 for u in src.bad),      # only shard entries count samples
         "finish_reasons": dict(sorted(sh.finish_reasons.items())),
     }
     if ev is not None:
@@ -210,8 +215,9 @@ def text(res: dict[str, Any], *, rows: int) -> str:
     out = [f"analysis of {res['run_dir']}"]
     out.append(f"run: mode {res.get('mode') or '?'}, {res.get('steps')} steps, {res.get('ranks') or '?'} ranks")
     created = res.get("created")
+    where = "" if res["shards_from"] == "shards" else f" in {res['shards_from']}"
     out.append(f"samples: {created if created is not None else '?'} created, {res['samples']} read from "
-               f"{res['segments']} shard segments, {res['unreadable_samples']} in unreadable rows")
+               f"{res['segments']} shard segments{where}, {res['unreadable_samples']} in unreadable rows")
     reasons = res.get("by_reason") or {}
     total = sum(reasons.values())
     if reasons:
