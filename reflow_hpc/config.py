@@ -380,8 +380,11 @@ class SimConfig:
     decode_compute_efficiency: float = opt(0.354, "F_dec / F: FLOP rate of a large decode batch.", gt=0, le=1)
     prefill_base_s: float = opt(0.005, "a_p: fixed time of one prefill (admission) batch.", ge=0)
     prefill_efficiency: float = opt(0.354, "F_pre / F: FLOP rate of prefill.", gt=0, le=1)
-    kv_memory_fraction: float = opt(0.9, "u: fraction of HBM the engine may use for weights and KV cache.", gt=0, le=1)
+    kv_memory_fraction: float = opt(0.9, "φ: fraction of HBM the engine may use for weights and KV cache.", gt=0, le=1)
     kv_reserve_bytes: float = opt(4e9, "Bytes per GPU of that fraction kept for activations and CUDA graphs.", ge=0)
+    kv_watermark: float = opt(0.01, "Fraction of the KV cache a queued request must leave free to be admitted "
+                                    "(vLLM's watermark), so a preempted request is not re-admitted into the space it "
+                                    "just freed.", ge=0, lt=1)
     train_mfu: float = opt(0.33, "η: model FLOP utilisation of a training pass.", gt=0, le=1)
     train_minibatches: int = opt(1, "Optimizer updates the modelled trainer makes per step (verl: batch ÷ "
                                     "ppo_mini_batch_size); each costs sim.train_update_overhead_s. The policy version "

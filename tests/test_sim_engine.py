@@ -1,0 +1,224 @@
+"""The simulator's engine: the coordinator's guarantees hold on simulated runs of every mode, token by
+token, and the processor-sharing engine agrees with a step-by-step decode of the same requests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from reflow_hpc.core.modes import MODES, rules
+from reflow_hpc.sim.costs import Costs
+from reflow_hpc.sim.engine import Simulation
+from reflow_hpc.sim.lengths import SampleShape
+from reflow_hpc.sim.report import simulate, summarise
+from reflow_hpc.sim.workload import build_coordinator, load_mode, placement
+from conftest import ROOT
+
+LAMINAR = str(ROOT / "configs" / "sim_laminar_7b.toml")
+QWEN3 = str(ROOT / "configs" / "sim_qwen3_8b_dapo.toml")
+# A small workload on the calibrated cost model: 16 prompts × 8 samples per step.
+SMALL = ["trainer.batch_size=128", "algorithm.group_size=8", "trainer.steps=6", "sim.warmup_steps=0",
+         "rollout.max_concurrency=64", "scheduler.queue_samples=128"]
+
+
+class Observed:
+    """What a run showed: every trained share's token segments, every finished sample, every command."""
+
+    def __init__(self):
+        self.trained: list[tuple] = []          # (step, version, [segments per sample])
+        self.finished: dict[int, tuple] = {}    # sample -> (generated, tokens in its segments, planned tokens)
+        self.commands: list = []
+
+    def on_train(self, cmd, segments, now):
+        self.trained.append((cmd.step, cmd.version, segments))
+
+    def on_finished(self, worker, requests, now):
+        for r in requests:
+            self.finished[r.sid] = (r.generated, sum(n for _, n in r.segments), sum(r.turns))
+
+    def on_command(self, cmd, now):
+        self.commands.append((now, cmd))
+
+
+def run(mode, *sets, gpus=16, config=LAMINAR, timeline=False, **kw):
+    obs = Observed()
+    res = simulate(config, mode, [*SMALL, *sets], gpus, timeline=timeline, on_train=obs.on_train,
+                   on_finished=obs.on_finished, on_command=obs.on_command, **kw)
+    return res, obs
+
+
+def check_guarantees(res, obs):
+    """The invariants of every mode on a finished simulated run."""
+    sim, c = res.sim, res.sim.coordinator
+    cfg = sim.cfg
+    r = c.rules
+    index = c.index
+    assert c.done and c.steps_done == cfg.trainer.steps
+    index.check_accounting()
+    assert index.created == sum(index.terminal_counts().values())        # every sample ended, with a reason
+    for rec in sim.records:
+        assert len(rec.batch) == cfg.trainer.batch_size
+        assert rec.batch.replay_fraction <= cfg.reflow.sigma + 1e-12       # σ bound
+    # The mode's guarantee on every trained token (each segment is tokens of one version).
+    pairs = [(step, version - v) for step, version, shares in obs.trained for segs in shares for v, n in segs if n]
+    assert pairs and all(r.staleness_ok(s, cfg.reflow.delta, step) for step, s in pairs)
+    # Tokens are conserved: what a sample generated is what its segments hold, and what was planned.
+    assert obs.finished and all(g == seg == planned for g, seg, planned in obs.finished.values())
+    # Throughput accounting: the steps' tokens are the trained tokens.
+    assert sum(rec.replicas[0].stats["tokens"] for rec in sim.records) == sim.trained_tokens
+    for row in res.records:
+        assert 0.0 <= row["idle_ratio/trainer"] <= 1.0 and 0.0 <= row["idle_ratio/rollout"] <= 1.0
+    return pairs
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_keeps_its_guarantees_on_the_calibrated_workload(mode):
+    res, obs = run(mode, timeline=mode == "sync")
+    pairs = check_guarantees(res, obs)
+    if mode == "sync":
+        assert {s for _, s in pairs} == {0}
+        gen = [(a.start, a.end) for a in res.sim.timeline if a.kind == "generate"]
+        train = [(a.start, a.end) for a in res.sim.timeline if a.kind == "train"]
+        assert gen and train
+        assert not any(g0 < t1 and t0 < g1 for g0, g1 in gen for t0, t1 in train)   # never both at once
+    if mode == "one_step_off":
+        assert all(s == 1 for step, s in pairs if step > 0)
+        assert all(len([v for v, n in segs if n]) == 1 for _, _, shares in obs.trained for segs in shares)
+    if mode in ("fully_async", "reflow"):
+        assert res.summary["partial_rollouts"] > 0
+    if mode == "reflow":
+        assert any(rec.batch.num_replay for rec in res.sim.records)
+
+
+@pytest.mark.parametrize("mode", ["fully_async", "reflow"])
+def test_partial_rollouts_train_tokens_of_two_versions(mode):
+    """Samples in flight at a sync continue under the new weights and are trained with tokens of both.
+    (A fast trainer and no cap mass: otherwise mostly long stragglers span syncs, and δ evicts them.)"""
+    res, obs = run(mode, "sim.length_cap_prob=0", "sim.train_minibatches=1", "sim.train_update_overhead_s=0.1")
+    check_guarantees(res, obs)
+    spans = [len({v for v, n in segs if n}) for _, _, shares in obs.trained for segs in shares]
+    assert sum(1 for n in spans if n > 1) > 10
+
+
+def test_processor_sharing_agrees_with_a_step_by_step_decode():
+    """One colocated worker decodes one group: completion times equal the sum of the per-step times."""
+    lengths = [37, 400, 401, 1200, 5, 2500, 2500, 90]
+    cfg = load_mode(LAMINAR, "sync", ["resources.workers=2", "resources.trainer_replicas=2",
+                                      "resources.rollout_instances=0", "trainer.batch_size=8", "algorithm.group_size=8",
+                                      "trainer.steps=1", "sim.setup_s=0"])
+
+    class Fixed:
+        def group(self, prompt_id, size, version=0):
+            return [SampleShape(100, (n,), 0.5) for n in lengths]
+
+    done: dict[int, float] = {}
+    place = placement(cfg)
+    sim = Simulation(cfg, build_coordinator(cfg, place), place, lengths=Fixed(),
+                     on_finished=lambda w, rs, now: done.update({r.generated: now for r in rs}))
+    sim.run()
+    c = Costs.from_config(cfg)
+    t = c.prefill_time(1, c.prefill_flops_of(100))          # the group's prompt, once (prefix cache)
+    running = sorted(lengths)
+    ctx = {i: 100 for i in range(len(running))}
+    made = 0
+    want = {}
+    while running:
+        t += c.decode_step_time(1, len(running), sum(ctx[i] for i in range(len(running))))
+        made += 1
+        for i in range(len(running)):
+            ctx[i] += 1
+        while running and running[0] == made:
+            want[running.pop(0)] = t
+            ctx = {i: ctx[i + 1] for i in range(len(running))}
+    assert set(done) == set(want)
+    for n in want:
+        assert done[n] == pytest.approx(want[n], rel=1e-9), n
+
+
+def test_kv_pressure_preempts_and_recomputes_without_losing_tokens():
+    res, obs = run("fully_async", "sim.kv_memory_fraction=0.3", "trainer.batch_size=64", "scheduler.queue_samples=64",
+                   "reflow.b_max=128", config=QWEN3, gpus=4)
+    check_guarantees(res, obs)
+    assert res.summary["preemptions"] > 0
+    roomy, _ = run("fully_async", "trainer.batch_size=64", "scheduler.queue_samples=64", "reflow.b_max=128",
+                   config=QWEN3, gpus=4)
+    assert roomy.summary["preemptions"] < res.summary["preemptions"]
+    assert roomy.summary["throughput_tokens_per_s"] > res.summary["throughput_tokens_per_s"]
+
+
+def test_multi_turn_samples_wait_for_their_tools():
+    plain, _ = run("reflow")
+    res, obs = run("reflow", "sim.tool_calls_mean=2", "task.max_turns=4", "sim.tool_latency_median_s=5")
+    check_guarantees(res, obs)
+    assert res.summary["step_s"] > plain.summary["step_s"]
+
+
+def test_the_elastic_pool_switches_roles_in_the_simulator():
+    """A schedule moves two rollout workers to training after step 2 and back after step 4: the
+    samples they held finish elsewhere, tokens and versions intact."""
+    res, obs = run("reflow", "scheduler.placement_schedule=[\"2:10\", \"4:8\"]", "scheduler.elastic=false",
+                   "reflow.b_max=512", "reflow.delta=3")
+    check_guarantees(res, obs)
+    c = res.sim.coordinator
+    assert c.placements == [(2, 10), (4, 8)]
+    assert res.sim.handed_off, "no sample was in flight on a worker leaving rollout"
+    resumed = [s.sample_id for _, cmd in obs.commands if type(cmd).__name__ == "Resume" for s in cmd.samples]
+    assert set(resumed) <= {sid for sid, _ in res.sim.handed_off}
+    switches = [sw for rec in res.sim.records for sw in rec.switches]
+    assert [(sw["trainers"], sw["rollouts"]) for sw in switches] == [(10, 6), (8, 8)]
+    assert all(sw["seconds"] > 0 for sw in switches)
+
+
+def test_a_role_timeline_covers_every_worker():
+    res, _ = run("reflow", timeline=True)
+    workers = {a.worker for a in res.sim.timeline}
+    assert workers == set(range(res.summary["workers"]))
+    assert {"generate", "train", "sync"} <= {a.kind for a in res.sim.timeline}
+    assert all(a.end > a.start for a in res.sim.timeline)
+
+
+def test_summaries_leave_out_the_warm_up_steps():
+    res, _ = run("reflow", "sim.warmup_steps=3")
+    assert res.summary["measured_steps"] == 3 and res.summary["steps"] == 6
+    again = summarise(res.sim)
+    assert again.summary["throughput_tokens_per_s"] == res.summary["throughput_tokens_per_s"]
+
+
+def test_a_cpu_config_runs_unchanged_on_its_ranks():
+    """sim.gpus = 0: the [resources] split of a real config, one simulated worker per rank."""
+    res = simulate(str(ROOT / "configs" / "cpu_bench.toml"), "reflow",
+                   ["trainer.steps=4", "sim.warmup_steps=0", "sim.model_params=1.6e6", "sim.model_layers=4",
+                    "sim.model_hidden=192", "sim.kv_bytes_per_token=1024"])
+    assert res.summary["workers"] == 4 and res.summary["trainers_start"] == 2
+    assert res.sim.coordinator.steps_done == 4
+
+
+@settings(max_examples=12, deadline=None)
+@given(mode=st.sampled_from(list(MODES)), seed=st.integers(0, 1000), sigma=st.sampled_from([0.25, 0.5, 0.75]),
+       sync_every=st.integers(1, 3), gpus=st.sampled_from([4, 8, 16]), b_max=st.sampled_from([0, 192]))
+def test_random_simulated_runs_keep_the_guarantees(mode, seed, sigma, sync_every, gpus, b_max):
+    r = rules(mode)
+    sync_every = 1 if r.exact_staleness is not None else sync_every
+    sets = [f"run.seed={seed}", f"reflow.sigma={sigma if r.replays else 0}", f"reflow.sync_every={sync_every}",
+            f"reflow.delta={max(1, sync_every - 1)}", "trainer.steps=4"]
+    if not r.batch_level:
+        sets.append(f"reflow.b_max={b_max}")
+    res, obs = run(mode, *sets, gpus=gpus, check_invariants=True)
+    check_guarantees(res, obs)
+
+
+def test_a_large_simulation_runs():
+    """Speed smoke test (no time is asserted; tools/bench_sim.py measures): 1,024 GPUs, a few steps."""
+    res = simulate(QWEN3, "reflow", ["trainer.steps=2", "sim.warmup_steps=0", "trainer.batch_size=1024"], 1024)
+    assert res.sim.coordinator.steps_done == 2 and res.summary["workers"] == 32 and res.summary["events"] > 1024
+
+
+def test_costs_replaced_for_a_what_if_run():
+    cfg = load_mode(LAMINAR, "reflow", SMALL, 16)
+    place = placement(cfg)
+    fast = dataclasses.replace(Costs.from_config(cfg), train_update_overhead_s=0.0)
+    a = summarise(Simulation(cfg, build_coordinator(cfg, place), place).run()).summary
+    b = summarise(Simulation(cfg, build_coordinator(cfg, place), place, costs=fast).run()).summary
+    assert b["simulated_s"] < a["simulated_s"]
