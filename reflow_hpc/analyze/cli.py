@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .report import collect, result, text
-from .whatif import WHATIF_KEYS, WhatIfError, what_if
+from .whatif import WHATIF_KEYS, WhatIf, WhatIfError
 
 CHUNK_ROWS = 65536      # shard rows per read: ~4 MiB of row records, one h5py call per chunk
 MAX_POINTS = 200        # bins of a per-version series in the JSON object
@@ -36,14 +36,16 @@ def analyze_run(run_dir: str | Path, out_dir: str | Path | None = None, *, what_
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run directory")
     out = Path(out_dir) if out_dir is not None else run_dir / "analysis"
+    config_bad: list = []
+    whatif = WhatIf.prepare(run_dir, what_if_overrides, config_bad) if what_if_overrides is not None else None
     src = collect(run_dir, chunk_rows=chunk_rows, verify=verify)
+    src.bad += config_bad
     res = result(src, max_points=max_points)
-    if what_if_overrides is not None:
+    if whatif is not None:
         if src.events is None:
             raise WhatIfError("--what-if needs the event log (events.jsonl), which is missing or unreadable")
-        res["what_if"] = what_if(run_dir, what_if_overrides, src.events, src.bad)
+        res["what_if"] = whatif.run(src.events)
         res["reproduces_run"] = res["what_if"]["reproduces_run"]
-        res["unreadable"] = [u.to_json() for u in src.bad]
     res["plots"] = []
     if plots:
         from .plots import write_all

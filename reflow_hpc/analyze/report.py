@@ -59,7 +59,7 @@ def collect(run_dir: Path, *, chunk_rows: int, verify: bool = True) -> Sources:
     shards = ShardStats()
     walk = ShardWalk(run_dir, bad, chunk_rows=chunk_rows, verify=verify, scratch_dirs=scratch)
     for chunk in walk:
-        shards.add(chunk.file, chunk.rows)
+        shards.add(chunk.rows)
     events: EventStats | None = EventStats()
     for line, e in iter_jsonl(run_dir / "events.jsonl", "events.jsonl", bad):
         events.feed(line, e)
@@ -133,27 +133,27 @@ def _replay_count(ev: EventStats | None) -> dict[str, Any] | None:
             "mean": float(times.mean()) if len(times) else None}
 
 
-def _coarsen(t: Tally, names: tuple[str, ...], max_points: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(first key of each bin, summed columns) with at most ``max_points`` bins of equal key width."""
-    n = len(t)
+def _coarsen(cols: dict[str, np.ndarray], max_points: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(first index of each bin, summed columns) with at most ``max_points`` bins of equal width."""
+    n = max((len(c) for c in cols.values()), default=0)
     width = max(1, math.ceil(n / max_points))
-    keys = np.arange(0, n, width)
-    cols = {}
-    for name in names:
-        col = t.get(name)
-        cols[name] = np.add.reduceat(col, keys) if n else col
-    return keys, cols
+    starts = np.arange(0, n, width)
+    return starts, {name: np.add.reduceat(col, starts) if n else col for name, col in cols.items()}
 
 
 def _by_version(t: Tally, what: str, max_points: int) -> dict[str, Any] | None:
     if len(t) == 0:
         return None
-    keys, cols = _coarsen(t, ("count", what, what + "2"), max_points)
+    cols = {name: t.get(name) for name in ("count", what, what + "2")}
+    first = -1                                   # key k holds version k - 1 (ShardStats)
+    if cols["count"][0] == 0:                    # no row without generated tokens: bins start at version 0
+        cols, first = {name: col[1:] for name, col in cols.items()}, 0
+    starts, cols = _coarsen(cols, max_points)
     n = cols["count"]
     ok = n > 0
     mean = cols[what][ok] / n[ok]
     std = np.sqrt(np.maximum(cols[what + "2"][ok] / n[ok] - mean ** 2, 0.0))
-    return {"version": [int(k) - 1 for k in keys[ok]], "bin_versions": int(keys[1] - keys[0]) if len(keys) > 1 else 1,
+    return {"version": [int(k) + first for k in starts[ok]], "bin_versions": int(starts[1]) if len(starts) > 1 else 1,
             "n": [int(x) for x in n[ok]], "mean": [round(float(x), 6) for x in mean],
             "std": [round(float(x), 6) for x in std]}
 
@@ -168,7 +168,7 @@ def _lengths(sh: ShardStats, max_points: int) -> dict[str, Any] | None:
     if not len(hist) or not hist.sum():
         return None
     total = hist.sum()
-    keys, cols = _coarsen(sh.lengths, ("count",), max_points)
+    keys, cols = _coarsen({"count": hist}, max_points)
     return {"mean": float((hist * np.arange(len(hist))).sum() / total), "p50": _percentile(hist, 0.5),
             "p90": _percentile(hist, 0.9), "p99": _percentile(hist, 0.99), "max": int(len(hist) - 1),
             "hist_from": [int(k) for k in keys], "hist": [int(c) for c in cols["count"]],
@@ -216,7 +216,8 @@ def text(res: dict[str, Any], *, rows: int) -> str:
     out.append(f"run: mode {res.get('mode') or '?'}, {res.get('steps')} steps, {res.get('ranks') or '?'} ranks")
     created = res.get("created")
     where = "" if res["shards_from"] == "shards" else f" in {res['shards_from']}"
-    out.append(f"samples: {created if created is not None else '?'} created, {res['samples']} read from "
+    finished = f", {res['finished']} finished" if res.get("finished") is not None else ""
+    out.append(f"samples: {created if created is not None else '?'} created{finished}, {res['samples']} read from "
                f"{res['segments']} shard segments{where}, {res['unreadable_samples']} in unreadable rows")
     reasons = res.get("by_reason") or {}
     total = sum(reasons.values())

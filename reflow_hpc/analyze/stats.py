@@ -68,11 +68,9 @@ class ShardStats:
         self.by_version = Tally("count", "reward", "reward2", "length", "length2")
         self.lengths = Tally("count")
         self.by_owner = Tally("samples", "tokens", "response")
-        self.files: set[str] = set()
 
-    def add(self, file: str, rows: np.ndarray) -> None:
+    def add(self, rows: np.ndarray) -> None:
         self.samples += len(rows)
-        self.files.add(file)
         reasons, counts = np.unique(rows["finish_reason"], return_counts=True)
         for r, c in zip(reasons, counts):
             self.finish_reasons[bytes(r).decode("utf-8", "replace") or "?"] += int(c)

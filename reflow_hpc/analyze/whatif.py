@@ -417,32 +417,49 @@ def run_outcome(events: EventStats, settings: dict) -> Outcome:
     return o
 
 
-def what_if(run_dir: Path, overrides: list[str], events: EventStats, bad: list[Unreadable]) -> dict[str, Any]:
-    """Replay ``events.jsonl`` under the run's settings (validation) and, when ``overrides`` change
-    any, under those too, in one pass. ``events``: the report's pass over the same log (the step and
-    block skeleton, the run's own figures). Returns the JSON section ``what_if``."""
-    check_overrides(overrides)
-    config, source = run_config(run_dir, bad)
-    try:
-        base_cfg = build_config(config)
-        cfg = build_config(config, overrides)
-        colocated = rules(base_cfg.reflow.mode).colocated
-        own, other = settings_of(base_cfg), settings_of(cfg)
-        kw = dict(plan=events.steps, blocks=events.blocks, colocated=colocated)
-        replays = [Replay("replay, run's settings", make_index(base_cfg), own, compare=True, **kw)]
-        changed = other != own or (cfg.reflow.reward_low, cfg.reflow.reward_high) != \
-            (base_cfg.reflow.reward_low, base_cfg.reflow.reward_high)
-        if changed:
-            replays.append(Replay("what-if", make_index(cfg), other, compare=False, **kw))
-    except (ConfigError, ValueError) as e:
-        raise WhatIfError(f"--what-if: {e}") from None
-    for line, e in iter_jsonl(run_dir / "events.jsonl", "events.jsonl", [], skip=_SKIPPED):
-        for r in replays:
-            r.feed(line, e)
-    outcomes = [r.close() for r in replays]
-    run = run_outcome(events, own)
-    run.trainer_waits, run.steps_waited, run.wait_s = (outcomes[0].trainer_waits, outcomes[0].steps_waited,
-                                                       outcomes[0].wait_s)
-    return {"config_from": source, "overrides": list(overrides), "changed": changed,
-            "reproduces_run": outcomes[0].reproduces,
-            "outcomes": [run.to_json()] + [o.to_json() for o in outcomes]}
+@dataclass
+class WhatIf:
+    """A what-if ready to replay: the run's config and the one with the overrides, both validated
+    (built before the analysis reads anything, so that a bad key fails at once)."""
+    run_dir: Path
+    overrides: list[str]
+    config_from: str
+    base: Config
+    other: Config
+
+    @classmethod
+    def prepare(cls, run_dir: Path, overrides: list[str], bad: list[Unreadable]) -> "WhatIf":
+        check_overrides(overrides)
+        config, source = run_config(run_dir, bad)
+        try:
+            base, other = build_config(config), build_config(config, overrides)
+            make_index(other)                  # the mode's rules may refuse the combination
+        except (ConfigError, ValueError) as e:
+            raise WhatIfError(f"--what-if: {e}") from None
+        return cls(run_dir, list(overrides), source, base, other)
+
+    @property
+    def changed(self) -> bool:
+        b, o = self.base.reflow, self.other.reflow
+        return settings_of(self.other) != settings_of(self.base) or (b.reward_low, b.reward_high) != \
+            (o.reward_low, o.reward_high)
+
+    def run(self, events: EventStats) -> dict[str, Any]:
+        """Replay ``events.jsonl`` under the run's settings (validation) and, when the overrides change
+        any, under those too, in one pass. ``events``: the report's pass over the same log (the step
+        and block skeleton, the run's own figures). Returns the JSON section ``what_if``."""
+        kw = dict(plan=events.steps, blocks=events.blocks, colocated=rules(self.base.reflow.mode).colocated)
+        own = settings_of(self.base)
+        replays = [Replay("replay, run's settings", make_index(self.base), own, compare=True, **kw)]
+        if self.changed:
+            replays.append(Replay("what-if", make_index(self.other), settings_of(self.other), compare=False, **kw))
+        for line, e in iter_jsonl(self.run_dir / "events.jsonl", "events.jsonl", [], skip=_SKIPPED):
+            for r in replays:
+                r.feed(line, e)
+        outcomes = [r.close() for r in replays]
+        run = run_outcome(events, own)
+        run.trainer_waits, run.steps_waited, run.wait_s = (outcomes[0].trainer_waits, outcomes[0].steps_waited,
+                                                           outcomes[0].wait_s)
+        return {"config_from": self.config_from, "overrides": self.overrides, "changed": self.changed,
+                "reproduces_run": outcomes[0].reproduces,
+                "outcomes": [run.to_json()] + [o.to_json() for o in outcomes]}
