@@ -45,3 +45,17 @@ def test_a_bad_key_is_one_line_and_exit_2():
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("config error: sim.gpu_flop"), r.stderr
+
+
+def test_the_cross_check_compares_bench_modes_with_the_simulated_modes(tmp_path):
+    bench = {"steps": 10, "warmup_steps": 2, "rows": [
+        {"system": "reflow_hpc", "mode": m, "throughput_tokens_per_s": t}
+        for m, t in (("sync", 585.0), ("one_step_off", 581.0), ("fully_async", 577.0), ("reflow", 806.0))]}
+    path = tmp_path / "bench.json"
+    path.write_text("bench_modes: table\n" + json.dumps(bench) + "\n")
+    r = python_m("reflow_hpc.sim", "--crosscheck", str(path), "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [m["mode"] for m in out["modes"]] == ["sync", "one_step_off", "fully_async", "reflow"]
+    assert {x["ratio"] for x in out["ratios"]} == {"reflow/sync", "reflow/one_step_off", "reflow/fully_async"}
+    assert all(m["simulated"] > 0 for m in out["modes"])

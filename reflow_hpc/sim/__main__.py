@@ -3,6 +3,7 @@
     python -m reflow_hpc.sim CONFIG [--set section.key=value ...] [--gpus N[,N...]] [--modes M,...]
                                     [--json] [--plot DIR]
     python -m reflow_hpc.sim --calibrate [--json]
+    python -m reflow_hpc.sim --crosscheck BENCH_JSON [--json]
 
 The first form simulates each mode (default: all four) of CONFIG at each GPU count (default:
 ``sim.gpus``, or the ``[resources]`` split when it is 0) and prints one row per run, then the ratios
@@ -11,6 +12,8 @@ reflow ÷ each baseline per GPU count. With ``--json`` the last line is one JSON
 top-level ``"ratios"`` too. ``--plot DIR`` writes throughput.png, idle.png and one role timeline per
 reflow run. The second form runs the calibration gate (:mod:`reflow_hpc.sim.calibrate`); its exit
 status is 1 when a gated point is off by more than the tolerance, and its JSON has ``max_abs_error``.
+The third compares a ``tools/bench_modes.py --json`` result (a file holding its JSON line) with the
+same modes simulated on ``configs/sim_cpu_tiny.toml``; it reports, it does not gate.
 """
 
 from __future__ import annotations
@@ -93,6 +96,22 @@ def run_calibration(args) -> int:
     return 0 if rep["passed"] else 1
 
 
+def run_crosscheck(args) -> int:
+    lines = [ln for ln in Path(args.crosscheck).read_text().splitlines() if ln.strip().startswith("{")]
+    if not lines:
+        raise SystemExit(f"sim: {args.crosscheck}: no JSON line of tools/bench_modes.py --json")
+    rep = cal.crosscheck(json.loads(lines[-1]))
+    print(f"cross-check: tools/bench_modes.py measured vs {rep['config']} simulated ({rep['seeds']} seeds)")
+    for m in rep["modes"]:
+        print(f"  {m['mode']:<13} measured {m['measured']:8.0f} tok/s  simulated {m['simulated']:8.0f} tok/s  "
+              f"error {m['error']:+6.1%}")
+    for r in rep["ratios"]:
+        print(f"  {r['ratio']:<19} measured {r['measured']:5.2f}  simulated {r['simulated']:5.2f}  error {r['error']:+6.1%}")
+    if args.json:
+        print(json.dumps(rep, default=_plain))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m reflow_hpc.sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="?", help="TOML config (a real run's config works too)")
@@ -102,9 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
     ap.add_argument("--plot", default="", metavar="DIR", help="write PNG figures into DIR")
     ap.add_argument("--calibrate", action="store_true", help="run the calibration gate")
+    ap.add_argument("--crosscheck", default="", metavar="BENCH_JSON",
+                    help="compare a tools/bench_modes.py --json result with the simulated modes")
     args = ap.parse_args(argv)
     if args.calibrate:
         return main_guard(lambda: run_calibration(args))
+    if args.crosscheck:
+        return main_guard(lambda: run_crosscheck(args))
     if not args.config:
         ap.error("a CONFIG is needed (or --calibrate)")
     return main_guard(lambda: run_config(args))

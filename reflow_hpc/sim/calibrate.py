@@ -20,6 +20,12 @@ Points
   The 32-GPU colocated point is shown but not gated (the config says why).
 
 A last, informational line compares the role-switch cost model with ReFlow's Table 2.
+
+Cross-check against real runs (``--crosscheck BENCH_JSON``): the JSON line of ``tools/bench_modes.py
+--json`` is compared, mode by mode and ratio by ratio, with the same four modes simulated on
+``configs/sim_cpu_tiny.toml`` (the bench workload, its costs fitted on one machine; the config says how),
+with bench_modes' settings (every mode syncs after each step) and its averaging (after 5 warm-up steps),
+over ``CROSSCHECK_SEEDS`` seeds.
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ VERL_H20 = str(ROOT / "configs" / "sim_verl_h20_7b.toml")
 # measured over two whole sync periods after two.
 VERL_FULLY_ASYNC = ["trainer.batch_size=2048", "sim.train_minibatches=4", "reflow.sync_every=4", "reflow.b_max=3072",
                     "trainer.steps=16", "sim.warmup_steps=8"]
+
+
+CPU_TINY = str(ROOT / "configs" / "sim_cpu_tiny.toml")
+CROSSCHECK_SEEDS = 3
+BENCH_MODES_SETS = ["reflow.sync_every=1"]         # tools/bench_modes.py mode_sets: every mode syncs each step
 
 
 @dataclass(frozen=True)
@@ -143,3 +154,25 @@ def report(outcomes: list[Outcome]) -> dict:
                     "source": o.point.source, "note": o.point.note} for o in outcomes],
         "max_abs_error_all": max((abs(o.error) for o in outcomes), default=0.0),
     }
+
+
+def crosscheck(bench: dict, config: str = CPU_TINY, seeds: int = CROSSCHECK_SEEDS) -> dict:
+    """Measured (``bench``: bench_modes' JSON object) against simulated throughput and ratios."""
+    measured = {r["mode"]: r["throughput_tokens_per_s"] for r in bench["rows"] if r.get("system") == "reflow_hpc"}
+    sets = [*BENCH_MODES_SETS, f"trainer.steps={bench.get('steps', 40)}",
+            f"sim.warmup_steps={bench.get('warmup_steps', 5)}"]
+    simulated = {}
+    for mode in measured:
+        runs = [simulate(config, mode, [*sets, f"run.seed={seed}"]).summary for seed in range(seeds)]
+        simulated[mode] = sum(r["throughput_tokens_per_s"] for r in runs) / len(runs)
+    modes = [{"mode": m, "measured": measured[m], "simulated": simulated[m], "error": simulated[m] / measured[m] - 1}
+             for m in measured]
+    ratios = []
+    if "reflow" in measured:
+        for base in ("sync", "one_step_off", "fully_async"):
+            if base in measured:
+                real = measured["reflow"] / measured[base]
+                sim = simulated["reflow"] / simulated[base]
+                ratios.append({"ratio": f"reflow/{base}", "measured": real, "simulated": sim, "error": sim / real - 1})
+    return {"config": Path(config).name, "seeds": seeds, "modes": modes, "ratios": ratios,
+            "max_abs_ratio_error": max((abs(r["error"]) for r in ratios), default=0.0)}

@@ -1,0 +1,133 @@
+"""How the simulator's cost grows with GPUs and steps.
+
+    python tools/bench_sim.py [--config CONFIG] [--mode reflow] [--gpus 64,256,1024] [--steps 10,20,40]
+                              [--batch N] [--split] [--json]
+
+Each cell is one simulated run of ``--mode`` on CONFIG (default: the paper's workload,
+``configs/sim_qwen3_8b_dapo.toml``) at that many GPUs and steps, in this process, one at a time.
+Reported: CPU seconds of the run (``time.process_time``, so other load on a shared machine does not
+count), simulated samples, events, microseconds per sample, and simulated seconds per CPU second.
+``--split`` also measures the CPU time spent inside the coordinator (``reflow_hpc.core``: every
+public event method, wrapped with a timer that adds a little overhead of its own). The last lines fit
+``cpu = a + b·samples`` over the cells and give the 1,024-GPU × 500-step estimate at the batch size
+used. With ``--json`` the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from reflow_hpc.core import coordinator as core_coordinator  # noqa: E402
+from reflow_hpc.sim.report import simulate  # noqa: E402
+
+CORE_EVENTS = ("begin", "ready", "sample_finished", "sample_failed", "step_done", "sync_done", "switched",
+               "shards_flushed", "checkpoint_written", "tick", "engine_load", "rollout_progress", "heard")
+
+
+class CoreTimer:
+    """Accumulates CPU time spent in the coordinator's event methods (outermost calls only)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._depth = 0
+        self._saved = {}
+
+    def __enter__(self):
+        cls = core_coordinator.Coordinator
+        for name in CORE_EVENTS:
+            f = getattr(cls, name)
+            self._saved[name] = f
+            setattr(cls, name, self._wrap(f))
+        return self
+
+    def __exit__(self, *exc):
+        for name, f in self._saved.items():
+            setattr(core_coordinator.Coordinator, name, f)
+
+    def _wrap(self, f):
+        timer = self
+
+        def timed(*a, **k):
+            if timer._depth:
+                return f(*a, **k)
+            timer._depth += 1
+            t0 = time.process_time()
+            try:
+                return f(*a, **k)
+            finally:
+                timer.seconds += time.process_time() - t0
+                timer._depth -= 1
+        return timed
+
+
+def cell(config: str, mode: str, gpus: int, steps: int, batch: int | None, split: bool) -> dict:
+    sets = [f"trainer.steps={steps}", "sim.warmup_steps=0"] + ([f"trainer.batch_size={batch}"] if batch else [])
+    timer = CoreTimer() if split else None
+    t0 = time.process_time()
+    if timer:
+        with timer:
+            res = simulate(config, mode, sets, gpus)
+    else:
+        res = simulate(config, mode, sets, gpus)
+    cpu = time.process_time() - t0
+    s = res.summary
+    samples = res.sim.coordinator.index.created
+    row = {"gpus": gpus, "steps": steps, "batch": res.sim.cfg.trainer.batch_size, "workers": s["workers"],
+           "cpu_s": cpu, "samples": samples, "events": s["events"], "us_per_sample": cpu / samples * 1e6,
+           "simulated_s": s["simulated_s"], "speedup": s["simulated_s"] / cpu}
+    if timer:
+        row["core_s"] = timer.seconds
+        row["core_share"] = timer.seconds / cpu
+    return row
+
+
+def fit(rows: list[dict]) -> tuple[float, float]:
+    """Least squares cpu = a + b·samples."""
+    xs = [r["samples"] for r in rows]
+    ys = [r["cpu_s"] for r in rows]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else my / mx
+    return my - b * mx, b
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "sim_qwen3_8b_dapo.toml"))
+    ap.add_argument("--mode", default="reflow")
+    ap.add_argument("--gpus", default="64,256,1024")
+    ap.add_argument("--steps", default="10,20,40")
+    ap.add_argument("--batch", type=int, default=None, help="trainer.batch_size (default: the config's)")
+    ap.add_argument("--split", action="store_true", help="also measure the CPU time inside the coordinator")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = []
+    for gpus in [int(g) for g in args.gpus.split(",")]:
+        for steps in [int(s) for s in args.steps.split(",")]:
+            rows.append(cell(args.config, args.mode, gpus, steps, args.batch, args.split))
+            r = rows[-1]
+            core = f"  core {r['core_share']:.0%}" if "core_share" in r else ""
+            print(f"{r['gpus']:>5} GPUs {r['steps']:>4} steps ×{r['batch']:>5}: {r['cpu_s']:7.2f} s CPU, "
+                  f"{r['samples']:>8,} samples, {r['events']:>8,} events, {r['us_per_sample']:5.1f} µs/sample, "
+                  f"{r['speedup']:>7,.0f}× real time{core}", flush=True)
+    a, b = fit(rows)
+    per_step = sum(r["samples"] / r["steps"] for r in rows) / len(rows)
+    estimate = a + b * per_step * 500
+    print(f"fit: cpu ≈ {a:.2f} s + {b * 1e6:.1f} µs × samples; 500 steps of {rows[-1]['batch']} samples "
+          f"(≈ {per_step * 500:,.0f} created): ≈ {estimate:.0f} s")
+    if args.json:
+        print(json.dumps({"config": args.config, "mode": args.mode, "rows": rows,
+                          "fit": {"a_s": a, "b_s_per_sample": b}, "estimate_500_steps_s": estimate}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
