@@ -112,11 +112,17 @@ class ModelConfig:
 class WarmstartConfig:
     """Supervised warm start of the tiny CPU policy on worked solutions (`python -m reflow_hpc.warmstart`)."""
     steps: int = opt(300, "Optimizer steps of the warm start.", ge=0)
+    seed: int = opt(0, "Seed of the warm start (initial weights, prompts, order). It is not run.seed, so that RL "
+                       "runs of several seeds start from the same policy.", ge=0)
     batch_size: int = opt(16, "Worked solutions per step.", ge=1)
     lr: float = opt(2e-3, "Peak learning rate (AdamW); linear warm-up, then cosine decay to zero.", gt=0)
     warmup_steps: int = opt(20, "Linear warm-up steps.", ge=0)
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
     grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).", ge=0)
+    unverifiable_fraction: float = opt(0.0, "Fraction of the worked solutions whose answer line reads `answer: N` "
+                                            "instead of `#### N`; the task's reward accepts only the latter, so the "
+                                            "warm-started policy often writes answers that score 0 although its "
+                                            "arithmetic is right (a gap that RL with the reward closes).", ge=0, le=1)
     length_buckets: int = opt(8, "Batches drawn at once and regrouped by length, so short solutions are not "
                                  "padded to the longest of the tail (1 = no regrouping).", ge=1)
     eval_prompts: int = opt(128, "Held-out prompts of the greedy exact-match check before and after.", ge=0)

@@ -11,11 +11,15 @@ Rules:
   knobs). Prompts come from the train split, indices 0, 1, 2, … in order.
 - Loss: mean cross-entropy over the solution tokens and the closing eos; prompt tokens and tool
   observations are masked, as in RL. AdamW, linear warm-up then cosine decay to zero.
+- ``warmstart.unverifiable_fraction`` of the worked solutions write their answer line as
+  ``answer: N`` instead of ``#### N``, which the reward does not accept: a systematic gap in the
+  warm start that RL with the verifier's reward can close (the CPU main job uses it, see README).
 - Each group of ``warmstart.length_buckets`` batches is drawn at once, sorted by length and cut into
   batches again (in a seeded order), so the long tail does not pad every batch.
 - Held-out greedy exact match (the task's reward on the eval split, multi-turn episodes driven with
   their tool observations) is printed before and after training.
-- Deterministic given ``run.seed`` and ``warmstart.threads``. The result is saved atomically to
+- Deterministic given ``warmstart.seed`` (not ``run.seed``: RL runs of several seeds start from the
+  same policy) and ``warmstart.threads``. The result is saved atomically to
   ``model.path`` (or ``--out``).
 
 ``ensure_policy(cfg)`` is what the launcher calls on rank 0 before any rank loads the model: a no-op
@@ -39,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, TrainerConfig, config_changes, load, main_guard
 from .envs import Prompt, Task, make_task, prompt_token_ids
+from .envs.arithmetic import ANSWER_MARKER
 from .evaluation import exact_match
 
 if TYPE_CHECKING:
@@ -67,11 +72,22 @@ def sft_task(cfg: "Config") -> Task:
     return make_task(fallback)
 
 
-def sft_example(tokenizer: Any, task: Task, prompt: Prompt, chat_template: bool = False) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of one worked solution; labels are IGNORE on prompt and observations."""
+# The answer line the verifier rejects, written instead of ANSWER_MARKER by warmstart.unverifiable_fraction
+# of the worked solutions.
+UNVERIFIABLE_MARKER = "answer:"
+
+
+def sft_example(tokenizer: Any, task: Task, prompt: Prompt, chat_template: bool = False,
+                unverifiable: bool = False) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of one worked solution; labels are IGNORE on prompt and observations.
+    ``unverifiable``: its answer line is written with UNVERIFIABLE_MARKER, which the reward rejects."""
     ids = prompt_token_ids(tokenizer, prompt.text, chat_template)
     labels = [IGNORE] * len(ids)
-    for text, generated in task.solution_segments(prompt):
+    segments = task.solution_segments(prompt)
+    if unverifiable:
+        segments = [(text.replace(ANSWER_MARKER, UNVERIFIABLE_MARKER) if generated else text, generated)
+                    for text, generated in segments]
+    for text, generated in segments:
         seg = tokenizer.encode(text, add_special_tokens=False)
         ids += seg
         labels += seg if generated else [IGNORE] * len(seg)
@@ -87,9 +103,11 @@ def _batches(cfg: "Config", tokenizer: Any, task: Task):
     w = cfg.warmstart
     group = w.batch_size * w.length_buckets
     rng = random.Random(f"warmstart:{cfg.run.seed}")
+    style = random.Random(f"warmstart-style:{cfg.run.seed}")
     index = 0
     for first in range(0, w.steps, w.length_buckets):
-        examples = [sft_example(tokenizer, task, task.prompt(index + i), cfg.task.chat_template)
+        examples = [sft_example(tokenizer, task, task.prompt(index + i), cfg.task.chat_template,
+                                unverifiable=style.random() < w.unverifiable_fraction)
                     for i in range(group)]
         index += group
         examples.sort(key=lambda e: len(e[0]))
@@ -107,6 +125,9 @@ def _batches(cfg: "Config", tokenizer: Any, task: Task):
 def warmstart(cfg: "Config", out: str | Path | None = None, log=print) -> WarmstartResult:
     """Build the tiny policy, SFT-train it, save it to ``out`` (default ``model.path``)."""
     import torch
+
+    # Everything the warm start draws (initial weights, prompts, order) follows warmstart.seed.
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=cfg.warmstart.seed))
 
     from .policy import build_tiny_policy, num_parameters, save_policy
     from .train.optim import build_optimizer, build_scheduler
@@ -173,7 +194,7 @@ _NOT_IN_RECIPE = ("eval_prompts", "eval_batch_size", "max_new_tokens", "log_ever
 
 def recipe(cfg: "Config") -> dict:
     """The settings a warm-started policy's weights are determined by, shaped like ``to_dict``'s."""
-    return {"run": {"seed": cfg.run.seed}, "task": dataclasses.asdict(cfg.task),
+    return {"task": dataclasses.asdict(cfg.task),
             "warmstart": {k: v for k, v in dataclasses.asdict(cfg.warmstart).items() if k not in _NOT_IN_RECIPE},
             "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if k.startswith("tiny_")}}
 
