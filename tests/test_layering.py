@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "reflow_hpc"
 # The part of the package a module belongs to: its subpackage, or the module itself at the top.
 # For each part, the other parts it may import (its own is always allowed).
 BELOW_RUNTIME = {"core", "comm", "config", "trajectory", "envs", "storage", "rollout", "train", "policy",
-                 "metrics", "evaluation", "warmstart"}
+                 "metrics", "evaluation", "warmstart", "coordination"}
 ALLOWED = {
     "core": set(),
     "trajectory": set(),
@@ -26,7 +26,8 @@ ALLOWED = {
     "metrics": {"core"},
     "evaluation": {"config", "envs", "rollout", "policy", "train", "metrics"},
     "warmstart": {"config", "envs", "evaluation", "policy", "train"},
-    "sim": {"core", "config", "metrics"},
+    "coordination": {"core", "config"},
+    "sim": {"core", "config", "metrics", "coordination"},
     "runtime": BELOW_RUNTIME,
     "postmortem": BELOW_RUNTIME,
     "run": BELOW_RUNTIME | {"runtime", "postmortem"},

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import Config, to_dict
-from ..core.coordinator import Coordinator, Settings
-from ..core.index import RecoveredSample, build_index
+from ..coordination import coordinator_settings, new_coordinator
+from ..core.coordinator import Coordinator
+from ..core.index import RecoveredSample
 from ..core.modes import rules
-from ..core.placement import PlacementSettings
-from ..core.scheduling import EngineLoad, SchedulingSettings
+from ..core.scheduling import EngineLoad
 from ..metrics import MetricsSink, StepMetrics
 from .eventlog import EventWriter
 from .messages import (CheckpointWritten, EngineReport, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished,
@@ -45,30 +45,8 @@ def pools(cfg: Config) -> tuple[list[int], list[int]]:
 def build_coordinator(cfg: Config, resume_from: Path | None = None) -> Coordinator:
     """The coordinator a config describes, restored from ``resume_from`` (a checkpoint directory) if given."""
     trainers, rollouts = pools(cfg)
-    index = build_index(cfg.reflow, group_size=cfg.algorithm.group_size, batch_size=cfg.trainer.batch_size,
-                        seed=cfg.run.seed, adv_eps=cfg.algorithm.adv_eps, adv_std_norm=cfg.algorithm.adv_std_norm)
-    sch, res = cfg.scheduler, cfg.resources
-    reflow = cfg.reflow.mode == "reflow"          # the baselines keep a static split and fixed caps
-    scheduling = SchedulingSettings(
-        adaptive=reflow and sch.adaptive, ema_alpha=sch.ema_alpha, control_interval_s=sch.control_interval_s,
-        util_low=sch.util_low, util_high=sch.util_high, preemption_limit=sch.preemption_limit,
-        increase=sch.cap_increase, decrease=sch.cap_decrease, cap_min=sch.cap_min, rho=sch.rho,
-        queue=sch.queue_samples, initial_tokens=sch.initial_tokens)
-    placement = PlacementSettings(
-        elastic=True, workers=res.workers, trainer_shard=res.trainer_shard_size, rollout_tp=res.rollout_tp_size,
-        min_trainers=sch.min_trainers, min_rollouts=sch.min_rollouts, batch_size=cfg.trainer.batch_size,
-        sigma=cfg.reflow.sigma, ema_alpha=sch.placement_ema, cooldown_steps=sch.cooldown_steps,
-        margin=sch.placement_margin) if reflow and sch.elastic else None
-    schedule = tuple((int(a), int(b)) for a, _, b in (x.partition(":") for x in sch.placement_schedule)) \
-        if reflow else ()
-    settings = Settings(rules=rules(cfg.reflow.mode), steps=cfg.trainer.steps, sync_every=cfg.reflow.sync_every,
-                        cap_max=cfg.rollout.max_concurrency, kv_budget=cfg.rollout.kv_budget_tokens,
-                        scheduling=scheduling, placement=placement, placement_schedule=schedule,
-                        checkpoint_every=cfg.checkpoint.every_steps, timeout_s=cfg.run.timeout_s,
-                        setup_timeout_s=cfg.run.setup_timeout_s, eval_every=cfg.run.eval_every_steps,
-                        time_budget_s=cfg.trainer.time_budget_s, event_log=cfg.run.event_log)
-    coordinator = Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=cfg.resources.workers,
-                              resume_from=str(resume_from) if resume_from else None)
+    coordinator = new_coordinator(cfg, coordinator_settings(cfg), trainers=trainers, rollouts=rollouts,
+                                  world=cfg.resources.workers, resume_from=str(resume_from) if resume_from else None)
     if resume_from is not None:
         coordinator.load_state_dict(json.loads((resume_from / "extra" / "coordinator.json").read_text()))
     return coordinator

@@ -15,7 +15,7 @@ replica of ``u`` GPUs.
   ``W − n_T`` generate. The baselines keep this split; mode ``reflow`` may move workers at sync points
   (``scheduler.elastic``, the planner of :mod:`reflow_hpc.core.placement`).
 
-The coordinator's settings follow ``runtime.training.build_coordinator`` key for key; where the
+The coordinator's settings come from :mod:`reflow_hpc.coordination`, as the MPI runtime's do; where the
 simulated placement differs — a worker's slots are ``m × rollout.max_concurrency``, its KV budget
 the pooled engine's, and the elastic pool's unit is one worker — it says so below. The simulator
 keeps no event log (``run.event_log``): a million-sample run would hold every event in memory.
@@ -26,11 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError, load, validator
-from ..core.coordinator import Coordinator, Settings
-from ..core.index import build_index
+from ..coordination import coordinator_settings, new_coordinator
+from ..core.coordinator import Coordinator
 from ..core.modes import MODES, rules
-from ..core.placement import PlacementSettings
-from ..core.scheduling import SchedulingSettings
 from .costs import Costs
 
 MODE_ORDER = tuple(MODES)          # sync, one_step_off, fully_async, reflow
@@ -141,34 +139,15 @@ def placement(cfg: Config) -> Placement:
 
 
 def build_coordinator(cfg: Config, place: Placement, costs: Costs | None = None) -> Coordinator:
-    """The coordinator of ``runtime.training.build_coordinator``, on the simulated placement."""
+    """The coordinator of ``runtime.training.build_coordinator``, on the simulated placement: the elastic
+    pool's unit is one simulated worker (uniform by construction, so s_T = s_R = 1 here)."""
     costs = costs or Costs.from_config(cfg)
-    index = build_index(cfg.reflow, group_size=cfg.algorithm.group_size, batch_size=cfg.trainer.batch_size,
-                        seed=cfg.run.seed, adv_eps=cfg.algorithm.adv_eps, adv_std_norm=cfg.algorithm.adv_std_norm)
-    sch = cfg.scheduler
-    reflow = cfg.reflow.mode == "reflow"          # the baselines keep a static split and fixed caps
-    scheduling = SchedulingSettings(
-        adaptive=reflow and sch.adaptive, ema_alpha=sch.ema_alpha, control_interval_s=sch.control_interval_s,
-        util_low=sch.util_low, util_high=sch.util_high, preemption_limit=sch.preemption_limit,
-        increase=sch.cap_increase, decrease=sch.cap_decrease, cap_min=sch.cap_min, rho=sch.rho,
-        queue=sch.queue_samples, initial_tokens=sch.initial_tokens)
-    # The elastic pool's unit is one simulated worker (uniform by construction): s_T = s_R = 1 here.
-    elastic = PlacementSettings(
-        elastic=True, workers=place.world, trainer_shard=1, rollout_tp=1,
-        min_trainers=sch.min_trainers, min_rollouts=sch.min_rollouts, batch_size=cfg.trainer.batch_size,
-        sigma=cfg.reflow.sigma, ema_alpha=sch.placement_ema, cooldown_steps=sch.cooldown_steps,
-        margin=sch.placement_margin) if reflow and sch.elastic and not place.colocated else None
-    schedule = tuple((int(a), int(b)) for a, _, b in (x.partition(":") for x in sch.placement_schedule)) \
-        if reflow else ()
     kv_budget = int(place.engines * costs.kv_capacity(place.tp)) if cfg.sim.gpus else cfg.rollout.kv_budget_tokens
-    settings = Settings(rules=rules(cfg.reflow.mode), steps=cfg.trainer.steps, sync_every=cfg.reflow.sync_every,
-                        cap_max=cfg.rollout.max_concurrency * place.engines, kv_budget=kv_budget,
-                        scheduling=scheduling, placement=elastic, placement_schedule=schedule,
-                        checkpoint_every=cfg.checkpoint.every_steps, timeout_s=cfg.run.timeout_s,
-                        setup_timeout_s=cfg.run.setup_timeout_s, eval_every=cfg.run.eval_every_steps,
-                        time_budget_s=cfg.trainer.time_budget_s, event_log=False)
-    return Coordinator(settings, index, trainers=list(place.trainers), rollouts=list(place.rollouts),
-                       world=place.world)
+    settings = coordinator_settings(cfg, workers=place.world, trainer_shard=1, rollout_tp=1,
+                                    cap_max=cfg.rollout.max_concurrency * place.engines, kv_budget=kv_budget,
+                                    event_log=False)
+    return new_coordinator(cfg, settings, trainers=list(place.trainers), rollouts=list(place.rollouts),
+                           world=place.world)
 
 
 @validator

@@ -1,0 +1,55 @@
+"""The coordinator a config describes: the one translation of ``[reflow]``, ``[scheduler]``, ``[trainer]``,
+``[run]`` and ``[checkpoint]`` into :mod:`reflow_hpc.core`'s settings, shared by the two drivers of the
+coordinator (the MPI runtime and the simulator), so that both run exactly the same rules.
+
+The baselines keep a static split and fixed caps by definition (DESIGN §9): the elastic pool and
+adaptive generation scheduling apply to mode ``reflow`` only.
+"""
+
+from __future__ import annotations
+
+from .config import Config
+from .core.coordinator import Coordinator, Settings
+from .core.index import build_index
+from .core.modes import rules
+from .core.placement import PlacementSettings
+from .core.scheduling import SchedulingSettings
+
+
+def coordinator_settings(cfg: Config, *, workers: int | None = None, trainer_shard: int | None = None,
+                         rollout_tp: int | None = None, cap_max: int | None = None, kv_budget: int | None = None,
+                         event_log: bool | None = None) -> Settings:
+    """The coordinator's settings; a driver whose workers are not the config's ranks (the simulator's stand
+    for several GPUs each) passes their count, shapes, slots and KV budget."""
+    sch, res = cfg.scheduler, cfg.resources
+    reflow = cfg.reflow.mode == "reflow"
+    scheduling = SchedulingSettings(
+        adaptive=reflow and sch.adaptive, ema_alpha=sch.ema_alpha, control_interval_s=sch.control_interval_s,
+        util_low=sch.util_low, util_high=sch.util_high, preemption_limit=sch.preemption_limit,
+        increase=sch.cap_increase, decrease=sch.cap_decrease, cap_min=sch.cap_min, rho=sch.rho,
+        queue=sch.queue_samples, initial_tokens=sch.initial_tokens)
+    placement = PlacementSettings(
+        elastic=True, workers=workers if workers is not None else res.workers,
+        trainer_shard=trainer_shard if trainer_shard is not None else res.trainer_shard_size,
+        rollout_tp=rollout_tp if rollout_tp is not None else res.rollout_tp_size,
+        min_trainers=sch.min_trainers, min_rollouts=sch.min_rollouts, batch_size=cfg.trainer.batch_size,
+        sigma=cfg.reflow.sigma, ema_alpha=sch.placement_ema, cooldown_steps=sch.cooldown_steps,
+        margin=sch.placement_margin) if reflow and sch.elastic else None
+    schedule = tuple((int(a), int(b)) for a, _, b in (x.partition(":") for x in sch.placement_schedule)) \
+        if reflow else ()
+    return Settings(rules=rules(cfg.reflow.mode), steps=cfg.trainer.steps, sync_every=cfg.reflow.sync_every,
+                    cap_max=cap_max if cap_max is not None else cfg.rollout.max_concurrency,
+                    kv_budget=kv_budget if kv_budget is not None else cfg.rollout.kv_budget_tokens,
+                    scheduling=scheduling, placement=placement, placement_schedule=schedule,
+                    checkpoint_every=cfg.checkpoint.every_steps, timeout_s=cfg.run.timeout_s,
+                    setup_timeout_s=cfg.run.setup_timeout_s, eval_every=cfg.run.eval_every_steps,
+                    time_budget_s=cfg.trainer.time_budget_s,
+                    event_log=event_log if event_log is not None else cfg.run.event_log)
+
+
+def new_coordinator(cfg: Config, settings: Settings, *, trainers: list[int], rollouts: list[int], world: int,
+                    resume_from: str | None = None) -> Coordinator:
+    """A coordinator with the config's replay index (σ, τ, δ, b_max, sampler, replay filter, seed)."""
+    index = build_index(cfg.reflow, group_size=cfg.algorithm.group_size, batch_size=cfg.trainer.batch_size,
+                        seed=cfg.run.seed, adv_eps=cfg.algorithm.adv_eps, adv_std_norm=cfg.algorithm.adv_std_norm)
+    return Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=world, resume_from=resume_from)
