@@ -10,8 +10,9 @@ import h5py
 import pytest
 
 from conftest import python_m
-from loop_common import run
+from loop_common import CFG, run
 from reflow_hpc.analyze import analyze_run
+from reflow_hpc.config import load
 from reflow_hpc.storage.manifest import read_manifest
 from reflow_hpc.storage.reader import scan_directory
 
@@ -50,7 +51,7 @@ def test_the_report_of_a_real_run(real_run, tmp_path):
     assert res["steps"] == len(metrics) == 16
     assert res["staleness"]["trained"] == sum(m["samples/unused"] + m["samples/replay"] for m in metrics)
     assert sum(res["staleness"]["hist_replay"]) == sum(m["samples/replay"] for m in metrics)
-    assert res["staleness"]["max"] <= 1                                     # δ = 1
+    assert res["staleness"]["max"] <= load(CFG).reflow.delta
     assert sum(res["replay_count"]["hist"]) == res["finished"]
     assert sum(i * c for i, c in enumerate(res["replay_count"]["hist"])) == res["staleness"]["trained"]
     assert sum(res["reward_by_version"]["n"]) == res["samples"]

@@ -38,21 +38,21 @@ def test_the_replay_reproduces_every_mode(tmp_path, mode):
 
 def test_what_if_under_other_settings(reflow_run, tmp_path):
     res, text = analyze_run(reflow_run, tmp_path, plots=False,
-                            what_if_overrides=["reflow.sigma=0.25", "reflow.delta=0", "reflow.b_max=16"])
+                            what_if_overrides=["reflow.sigma=0.25", "reflow.delta=1", "reflow.b_max=16"])
     run, base, wi = res["what_if"]["outcomes"]
     assert res["reproduces_run"] and base["matched_steps"] == run["steps"]
     # The run's own column is the recorded one, and the replay under its settings agrees with it.
     for key in ("steps", "trained", "replayed", "evicted_unused", "staleness_max"):
         assert base[key] == run[key], key
     assert run["trainer_waits"] == base["trainer_waits"] is not None
-    # The what-if obeys the rules of the index it ran: σ caps the replay fraction, δ = 0 trains
-    # only fresh samples, and b_max = 16 < the run's window defers dispatches.
-    assert wi["settings"] == {"sigma": 0.25, "tau": 0.5, "delta": 0, "b_max": 16, "sampler": "random",
+    # The what-if obeys the rules of the index it ran: σ caps the replay fraction, δ = 1 trains
+    # nothing older than one step, and b_max = 16 < the run's window defers dispatches.
+    assert wi["settings"] == {"sigma": 0.25, "tau": 0.5, "delta": 1, "b_max": 16, "sampler": "random",
                               "replay_filter": "accept_all"}
-    assert wi["replay_fraction"] <= 0.25 and wi["staleness_max"] == 0
+    assert wi["replay_fraction"] <= 0.25 and wi["staleness_max"] <= 1
     assert wi["deferred_groups"] > 0 and wi["created"] <= run["created"]
     assert 0 < wi["steps"] <= run["steps"]
-    assert "what-if (overrides reflow.sigma=0.25 reflow.delta=0 reflow.b_max=16" in text
+    assert "what-if (overrides reflow.sigma=0.25 reflow.delta=1 reflow.b_max=16" in text
     assert "reproduces its" in text and ": yes" in text
 
 

@@ -26,7 +26,8 @@ def test_each_mode_runs_with_invariants(tmp_path, policy_dir, mode):
     sigma = 0.5 if mode == "reflow" else 0.0
     run_dir, metrics, summary, r = run(tmp_path, policy_dir, f"reflow.mode={mode}", f"trainer.steps={steps}",
                                        "trainer.batch_size=16", "algorithm.group_size=4", "rollout.max_concurrency=16",
-                                       "reflow.sync_every=1", f"reflow.sigma={sigma}", "run.eval_every_steps=2")
+                                       "reflow.sync_every=1", f"reflow.sigma={sigma}", f"reflow.delta={delta}",
+                                       "run.eval_every_steps=2")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert [m["version"] for m in metrics] == list(range(steps))          # the version counts optimizer steps
     # The mode's guarantee, over every token each trainer replica trained (it also enforces it).
@@ -150,6 +151,13 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_anything(tmp_path
     assert s2["buffer"]["buffer/created"] == terminal(s2)
     assert s2["buffer"]["buffer/created"] > s1["buffer"]["buffer/created"]
     assert s2["buffer"]["buffer/lost"] == 0
+    # The event log says how every sample ended, once, across both process sets; every checkpoint round
+    # that began was written.
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    ends = [e["id"] for e in events if e["e"] == "end"]
+    assert len(ends) == len(set(ends)) == s2["buffer"]["buffer/created"]
+    assert ([e["tag"] for e in events if e["e"] == "checkpoint_begin"]
+            == [e["tag"] for e in events if e["e"] == "checkpoint"] != [])
 
 
 def test_kill_9_of_a_rank_mid_training_ends_the_job_naming_it_and_a_rerun_resumes(tmp_path, policy_dir):

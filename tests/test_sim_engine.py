@@ -202,7 +202,7 @@ def test_random_simulated_runs_keep_the_guarantees(mode, seed, sigma, sync_every
     r = rules(mode)
     sync_every = 1 if r.exact_staleness is not None else sync_every
     sets = [f"run.seed={seed}", f"reflow.sigma={sigma if r.replays else 0}", f"reflow.sync_every={sync_every}",
-            f"reflow.delta={max(1, sync_every - 1)}", "trainer.steps=4"]
+            f"reflow.delta={sync_every}", "trainer.steps=4"]
     if not r.batch_level:
         sets.append(f"reflow.b_max={b_max}")
     res, obs = run(mode, *sets, gpus=gpus, check_invariants=True)

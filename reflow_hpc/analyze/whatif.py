@@ -68,7 +68,7 @@ WHATIF_KEYS = ("reflow.sigma", "reflow.tau", "reflow.delta", "reflow.b_max", "re
 
 # Events the replay reads; the others are skipped unparsed (the skeleton of steps and blocks comes
 # from the report's pass over the same file).
-_SKIPPED = skip_patterns("end", "train", "sync", "synced", "checkpoint", "switch", "switched", "resume")
+_SKIPPED = skip_patterns("end", "train", "sync", "synced", "checkpoint", "checkpoint_begin", "switch", "switched", "resume")
 
 
 class WhatIfError(Exception):

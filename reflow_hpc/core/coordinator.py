@@ -50,6 +50,7 @@ Modes (DESIGN §9)
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +207,9 @@ class Coordinator:
         self.finish_reasons: dict[str, int] = {}
         self.stop_requested = False
         self.stopped_early = ""                              # why the run ends before its steps, if it does
+        self.snapshot_step = 0                               # the last step whose weights were snapshotted
+        self.resume_releases: list[Release] = []             # samples a resume ended, logged at start
+        self.recovered_ids: list[int] = []
         self.train_seconds = 0.0                             # training time of the whole run, once finished
         self.started_at = 0.0                                # when every worker was ready
         self.elapsed_before = 0.0                            # training time of the process sets before a resume
@@ -231,12 +235,13 @@ class Coordinator:
         if state.get("format", COORDINATOR_STATE_FORMAT) != COORDINATOR_STATE_FORMAT:
             raise ValueError(f"coordinator state: format {state.get('format')!r}, expected {COORDINATOR_STATE_FORMAT}")
         self.kept_partials = sorted(state.get("partials", []))
-        self.index.load_state_dict(state["index"], resume=True, keep=self.kept_partials)
+        self.resume_releases = self.index.load_state_dict(state["index"], resume=True, keep=self.kept_partials)
         self.steps_done, self.next_prompt = state["steps_done"], state["next_prompt"]
         self.fresh_rewards = list(state.get("history", {}).get("fresh_rewards", []))
         self.elapsed_before = float(state.get("history", {}).get("elapsed_s", 0.0))
         self.finish_reasons = dict(state.get("finish_reasons", {}))
         self.checkpoint_tag = _tag(self.steps_done) if self.steps_done else ""
+        self.snapshot_step = self.steps_done                # scored by the run that saved it
         self.placements = [tuple(p) for p in state.get("history", {}).get("placements", [])]
         n_t = state.get("trainer_replicas", len(self.trainers))
         if not self.rules.colocated and n_t != len(self.trainers):        # the split in force at the checkpoint
@@ -290,7 +295,10 @@ class Coordinator:
         self._reconcile()
         self.phase = "running"
         self._log(now, "start", step=self.steps_done, resume_from=self.resume_from, recovered=self.recovered,
-                  trainers=list(self.trainers), rollouts=list(self.rollouts))
+                  recovered_ids=self.recovered_ids, trainers=list(self.trainers), rollouts=list(self.rollouts))
+        for rel in self.resume_releases:       # the log says how every sample ended, across a restart too
+            self._log(now, "end", id=rel.sample_id, reason=rel.reason, w=rel.rank)
+        self.resume_releases = []
         self.started_at = now
         self.trainer_idle_since = now
         self.last_step_end = now
@@ -369,7 +377,7 @@ class Coordinator:
         self.trainer_idle_since = now
         every = self.settings.eval_every
         if (every and self.steps_done % every == 0) or self.steps_done >= self.steps:
-            out.append(Snapshot(self.trainers[0], self.steps_done, self.index.version, self._elapsed(now)))
+            self._snapshot(out, now)
         if self.steps_done % self.settings.sync_every == 0 or self.steps_done >= self.steps:
             self.want_sync = True
         self._advance(out, now)
@@ -464,8 +472,10 @@ class Coordinator:
                 self.stop_requested = False
                 self.stopped_early = self.stopped_early or "stop requested"
                 self.steps = min(self.steps, self.steps_done + (1 if self.batch is not None else 0))
-                if self.batch is None and self.steps_done % self.settings.sync_every != 0:
-                    self.want_sync = True            # checkpointed weights must match the version
+                if self.batch is None:
+                    self._snapshot(out, now)         # the policy the run ends with is scored (step_done won't)
+                    if self.steps_done % self.settings.sync_every != 0:
+                        self.want_sync = True        # checkpointed weights must match the version
                 self._advance(out, now)
         return out
 
@@ -506,7 +516,7 @@ class Coordinator:
             return                                   # a consistent snapshot: nothing moves meanwhile
         if self.syncing and self.rules.colocated:
             return                                   # colocated loads finish first
-        if self._maybe_checkpoint(out):
+        if self._maybe_checkpoint(out, now):
             return
         if self.steps_done >= self.steps:
             if not self.want_sync and not self.syncing and self.batch is None:
@@ -535,7 +545,13 @@ class Coordinator:
             self.syncing = set(group)
         self.sync_slowest = 0.0
 
-    def _maybe_checkpoint(self, out: list[Any]) -> bool:
+    def _snapshot(self, out: list[Any], now: float) -> None:
+        # Once per step; step 0 is the warm start, which the run scores before it starts.
+        if self.steps_done and self.steps_done != self.snapshot_step:
+            self.snapshot_step = self.steps_done
+            out.append(Snapshot(self.trainers[0], self.steps_done, self.index.version, self._elapsed(now)))
+
+    def _maybe_checkpoint(self, out: list[Any], now: float) -> bool:
         every = self.settings.checkpoint_every
         due_every = every and self.steps_done and self.steps_done % every == 0
         due_final = self.steps_done >= self.steps
@@ -551,6 +567,7 @@ class Coordinator:
                   if w != writer or (partials and w in self.rollouts)]
         self.checkpoint = CheckpointRound(tag, self.steps_done, writer, self.state_dict(), set(others),
                                           partials=partials)
+        self._log(now, "checkpoint_begin", step=self.steps_done, tag=tag, partials=partials)
         out.extend(Checkpoint(w, self.steps_done, tag, partials and w in self.rollouts) for w in others)
         self._checkpoint_progress(out)
         return True
@@ -722,14 +739,15 @@ class Coordinator:
                     recovered.append(s)
             for sid in lost:
                 if sid in self.index:
-                    self.index.lost(sid)
+                    self.resume_releases += self.index.lost(sid)
         for sid in list(self.index.live_ids()):
             rec = self.index.sample(sid)
             if rec.state in (FINISHED, READY, REPLAY) and sid not in present:
-                self.index.lost(sid)           # its shard is gone (another node, wiped scratch): counted
+                self.resume_releases += self.index.lost(sid)   # its shard is gone (another node, wiped scratch)
         if recovered:
-            self.index.recover(recovered)
+            self.resume_releases += self.index.recover(recovered)
         self.recovered = len(recovered)
+        self.recovered_ids = sorted(s.sample_id for s in recovered)
         self.index.check_accounting()
 
     # ------------------------------------------------------------------------------------------
@@ -800,11 +818,12 @@ def _mean(xs: Any) -> float:
 
 
 def _split_balanced(loss_tokens: tuple[int, ...], parts: int) -> list[list[int]]:
-    """Indices split into ``parts`` shares of near-equal token count (largest first, greedy)."""
+    """Indices split into ``parts`` shares of near-equal token count (largest first, greedy; a heap keeps
+    it O(n log p) for the simulator's thousand-worker runs)."""
     shares: list[list[int]] = [[] for _ in range(parts)]
-    load = [0] * parts
+    heap = [(0, 0, p) for p in range(parts)]                  # (load, count, part): ties go to the lower part
     for i in sorted(range(len(loss_tokens)), key=lambda i: -loss_tokens[i]):
-        j = min(range(parts), key=lambda p: (load[p], len(shares[p]), p))
+        load, count, j = heapq.heappop(heap)
         shares[j].append(i)
-        load[j] += loss_tokens[i]
+        heapq.heappush(heap, (load + loss_tokens[i], count + 1, j))
     return [sorted(s) for s in shares]

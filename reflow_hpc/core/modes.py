@@ -88,9 +88,11 @@ def check(mode: str, *, sigma: float, delta: int, b_max: int, batch_size: int, s
     if r.exact_staleness is not None and delta < r.exact_staleness:
         raise ModeError("reflow.delta", delta, f"mode {mode} trains samples {r.exact_staleness} step(s) old; "
                                                f"δ must be at least {r.exact_staleness}")
-    if r.exact_staleness is None and delta < sync_every - 1:
+    if r.exact_staleness is None and delta < sync_every:
+        # The rollout weights lag the trainer by up to sync_every − 1 steps, and a sample generated in one
+        # sync period is trained in the next at the earliest: it is sync_every steps old by then.
         raise ModeError("reflow.delta", delta,
-                        f"with reflow.sync_every = {sync_every} the rollout weights lag the trainer by up to "
-                        f"{sync_every - 1} step(s), so every sample generated early in a sync period would go "
-                        f"stale unused; set reflow.delta ≥ {sync_every - 1} or sync more often")
+                        f"with reflow.sync_every = {sync_every} a sample generated just after a sync is "
+                        f"{sync_every} step(s) old when the next period trains it, so the pipeline would drop "
+                        f"what it generates ahead; set reflow.delta ≥ {sync_every} or sync more often")
     return r
