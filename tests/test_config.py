@@ -98,3 +98,16 @@ def test_reference_page_is_current():
 def test_shipped_configs_load():
     for path in sorted((ROOT / "configs").glob("*.toml")):
         C.load(path, check_files=False)
+
+
+def test_shipped_configs_that_share_a_policy_warm_start_it_alike():
+    """Two configs with one model.path must describe one warm start, or running one after the other
+    is refused (warmstart.ensure_policy)."""
+    from reflow_hpc.warmstart import recipe
+    by_path: dict[str, tuple[str, dict]] = {}
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        cfg = C.load(path, check_files=False)
+        if not cfg.model.warmstart:
+            continue
+        first = by_path.setdefault(cfg.model.path, (path.name, recipe(cfg)))
+        assert first[1] == recipe(cfg), f"{path.name} and {first[0]} warm-start {cfg.model.path} differently"
