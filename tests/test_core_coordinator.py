@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from reflow_hpc.config import Config
-from reflow_hpc.core.commands import Dispatch, Resume, SaveCheckpoint, Setup, Snapshot, Switch, Sync, Train
+from reflow_hpc.core.commands import Checkpoint, Dispatch, Resume, SaveCheckpoint, Setup, Snapshot, Switch, Sync, Train
 from reflow_hpc.core.coordinator import Coordinator, Settings, Unresponsive
 from reflow_hpc.core.index import build_index
 from reflow_hpc.core.modes import MODES, ModeError, check, rules
@@ -203,9 +203,14 @@ def test_a_time_budget_ends_the_run_like_a_preemption():
     assert 5.0 <= c.train_seconds < 5.0 + 3 * 1.0                  # at most the step in flight, a sync, a save
     assert log["checkpoints"] == [(f"step_{c.steps_done:06d}", c.steps_done)]
     assert log["snapshots"][-1][0] == c.steps_done                # the trained policy is scored
-    # What was being generated is saved with the checkpoint and stays pending for the resumed run.
+    # What was being generated is saved with the checkpoint and stays pending for the resumed run, and so
+    # does what was buffered: the run ends none of it, so the resumed run's log ends each sample once.
     assert index.outstanding == len(log["partials"]) > 0
-    assert index.created == sum(index.terminal_counts().values()) + len(log["partials"])
+    kept = set(index.live_ids())
+    assert kept == c.kept_by_checkpoint and set(log["partials"]) <= kept
+    assert index.created == sum(index.terminal_counts().values()) + len(kept)
+    ended = [e["id"] for e in c.events if e["e"] == "end"]
+    assert len(ended) == len(set(ended)) == sum(index.terminal_counts().values()) and not kept & set(ended)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -295,3 +300,43 @@ def test_random_runs_keep_the_guarantees(mode, seed, sigma, trainers, sync_every
         assert batch.replay_fraction <= (sigma if r.replays else 0.0) + 1e-12
     assert all(r.staleness_ok(s, delta, step) for step, s in trained_staleness(log))
     index.check_accounting()
+
+
+def test_a_rollout_workers_late_sync_report_after_the_trainer_trained_on_is_accepted():
+    """In a streaming mode the trainer that sent the weights carries on training at once; a rollout worker
+    busy generating may report its load of version v after the trainer already made v + 1."""
+    c = make("reflow", steps=4, b=4, n=4, workers=2, trainers=1, delta=2, sigma=0.0)
+    now = 0.0
+    queue = list(c.begin(now))
+    for w in c.workers:
+        queue += c.ready(w, [], [], now)
+    rollout_version, late, reported_late = 0, [], 0
+    while not c.done:
+        now += 0.01
+        if not queue:                                 # nothing else to happen: the late report arrives
+            assert late, "the coordinator waits for nothing"
+            queue += c.sync_done(*late.pop(0), seconds=0.01, resumed=0, now=now)
+            continue
+        cmd = queue.pop(0)
+        if isinstance(cmd, Dispatch):
+            for s in cmd.samples:
+                queue += c.sample_finished(cmd.worker, s.sample_id, reward=float(s.sample_id % 2),
+                                           min_version=rollout_version, max_version=rollout_version,
+                                           loss_tokens=8, finish_reason="stop", now=now)
+        elif isinstance(cmd, Train):
+            queue += c.step_done(cmd.worker, cmd.step, stats={}, idle_s=0.0, fetch_s=0.0, now=now)
+            reported_late += len(late)
+            for w, v in late:                         # the rollout worker reports after the step
+                queue += c.sync_done(w, v, seconds=0.01, resumed=0, now=now)
+            late = []
+        elif isinstance(cmd, Sync):
+            if cmd.worker == cmd.src:
+                queue += c.sync_done(cmd.worker, cmd.version, seconds=0.01, resumed=0, now=now)
+            else:
+                rollout_version = cmd.version
+                late.append((cmd.worker, cmd.version))
+        elif isinstance(cmd, Checkpoint):
+            queue += c.shards_flushed(cmd.worker, cmd.tag, {}, now=now)
+        elif isinstance(cmd, SaveCheckpoint):
+            queue += c.checkpoint_written(cmd.worker, cmd.tag, "/nowhere", now=now)
+    assert c.steps_done == 4 and reported_late >= 1

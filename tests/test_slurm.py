@@ -187,7 +187,8 @@ def test_kill_9_of_a_rank_under_slurm_is_named_in_one_line(slurm_conf, tmp_path,
     r = run_cmd(["sbatch", "--parsable", f"--output={tmp_path}/%j.out", "slurm/reflow_local.sbatch", CFG,
                  "--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}", "--set", f"model.path={policy_dir}",
                  "--set", "model.warmstart=false", "--set", "trainer.steps=200", "--set", "trainer.batch_size=16",
-                 "--set", "algorithm.group_size=4", "--set", "run.eval_prompts=0", "--set", "run.timeout_s=120",
+                 "--set", "trainer.micro_batch_size=8", "--set", "algorithm.group_size=4", "--set", "run.eval_prompts=0",
+                 "--set", "run.timeout_s=120",
                  "--set", "checkpoint.every_steps=2", "--set", f"storage.dir={tmp_path / 'scratch'}"], timeout=60)
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().split(";")[0]

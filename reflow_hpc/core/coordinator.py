@@ -137,6 +137,8 @@ class CheckpointRound:
     writing: bool = False                # phase 2: the writer was told to write
     partials: bool = False               # the run stops early: in-flight samples are saved into it
     saved: list[int] = field(default_factory=list)   # the samples the workers saved (phase 1)
+    final_stop: bool = False             # the last round of a run that stops early: the resumed run continues it
+    live: frozenset[int] = frozenset()   # the live samples in ``state``
 
 
 class Coordinator:
@@ -171,6 +173,7 @@ class Coordinator:
         self.placements: list[tuple[int, int]] = []          # (step, trainer replicas) at every change
         self.handed_over = 0                                 # samples handed from a leaving rollout worker to another
         self.saved_partials: set[int] = set()                # in-flight samples saved into the final checkpoint
+        self.kept_by_checkpoint: set[int] = set()            # live samples the resumed run continues (early stop)
         self.kept_partials: list[int] = []                   # the checkpoint's saved samples, to resume from it
         self.produced = 0                                    # fresh samples finished since the last step
         self.resume_from = resume_from
@@ -190,6 +193,7 @@ class Coordinator:
         self.trainer_idle_since: float | None = None
         self.want_sync = False
         self.syncing: set[int] = set()
+        self.sync_version = 0                                # the version the sync in flight publishes
         self.sync_slowest = 0.0
         self.sync_seconds: float | None = None     # the last completed sync, as its slowest member measured it
         self.checkpoint: CheckpointRound | None = None
@@ -385,7 +389,9 @@ class Coordinator:
 
     def sync_done(self, worker: int, version: int, *, seconds: float, resumed: int, now: float) -> list[Any]:
         out: list[Any] = []
-        if worker not in self.syncing or version != self.index.version:
+        # The trainer that sent the weights may have trained on (streaming modes) before a slow rollout
+        # worker reports: compare with the version published, not the current one.
+        if worker not in self.syncing or version != self.sync_version:
             raise ValueError(f"sync_done: unexpected report of version {version} from rank {worker}")
         self.syncing.discard(worker)
         self.partial_rollouts += resumed
@@ -441,6 +447,8 @@ class Coordinator:
             raise ValueError(f"checkpoint: unexpected report that {tag} was written, from rank {worker}")
         self.checkpoint = None
         self.saved_partials |= set(c.saved)
+        if c.final_stop:
+            self.kept_by_checkpoint = set(c.live)
         self.checkpoints_written.append((tag, c.step, path))
         self._log(now, "checkpoint", step=c.step, tag=tag, path=path)
         self._advance(out, now)
@@ -496,7 +504,8 @@ class Coordinator:
                 "buffer": self.index.gauges(), "finish_reasons": dict(self.finish_reasons),
                 "partial_rollouts": self.partial_rollouts, "train_seconds": self.train_seconds,
                 "placements": [list(p) for p in self.placements], "handed_over": self.handed_over,
-                "saved_partials": len(self.saved_partials), "resumed_partials": len(self.kept_partials),
+                "saved_partials": len(self.saved_partials), "kept_in_checkpoint": len(self.kept_by_checkpoint),
+                "resumed_partials": len(self.kept_partials),
                 "stopped_early": self.stopped_early, "accounting_ok": True}
 
     # ------------------------------------------------------------------------------------------
@@ -531,7 +540,7 @@ class Coordinator:
         if not self.rules.partial_rollouts and self.index.outstanding > 0:
             return                                  # waits for the batch in flight: no partial rollouts
         self.want_sync = False
-        v = self.index.version
+        v = self.sync_version = self.index.version
         self._log(now, "sync", group=[self.trainers[0], *self.rollouts] if not self.rules.colocated else self.rollouts)
         if self.rules.colocated:
             for w in self.rollouts:
@@ -566,7 +575,8 @@ class Coordinator:
         others = [w for w in sorted(set(self.trainers) | set(self.rollouts))
                   if w != writer or (partials and w in self.rollouts)]
         self.checkpoint = CheckpointRound(tag, self.steps_done, writer, self.state_dict(), set(others),
-                                          partials=partials)
+                                          partials=partials, final_stop=bool(due_final and self.stopped_early),
+                                          live=frozenset(self.index.live_ids()))
         self._log(now, "checkpoint_begin", step=self.steps_done, tag=tag, partials=partials)
         out.extend(Checkpoint(w, self.steps_done, tag, partials and w in self.rollouts) for w in others)
         self._checkpoint_progress(out)
@@ -581,6 +591,7 @@ class Coordinator:
                 # more, so the state now includes every finished sample (all in flushed shards).
                 c.state = self.state_dict()
                 c.state["partials"] = sorted(c.saved)
+                c.live = frozenset(self.index.live_ids())
             out.append(SaveCheckpoint(c.writer, c.step, c.tag, c.state,
                                       {str(w): m for w, m in sorted(c.manifests.items())}))
 
@@ -715,8 +726,9 @@ class Coordinator:
 
     def _finish(self, out: list[Any], now: float) -> None:
         self.train_seconds = self._elapsed(now)
-        # Samples saved into the final checkpoint stay live there: the resumed run continues them.
-        live = [sid for sid in self.index.live_ids() if sid not in self.saved_partials]
+        # A run that stops early keeps its live samples in the final checkpoint (the buffered ones and the
+        # partial responses saved in it): the resumed run continues them and the event log ends them there.
+        live = [sid for sid in self.index.live_ids() if sid not in self.kept_by_checkpoint]
         self._releases(now, self.index.abort(live), out)
         self.generating.clear()
         self.phase = "finished"
