@@ -30,33 +30,35 @@ def _own_address(single_host: bool, master_addr: str = "") -> str:
         return host
 
 
-def _free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr if addr != "localhost" else "127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
 def init_process_group(comm: Any, *, device: str, single_host: bool, timeout_s: float, master_addr: str = "") -> float:
-    """Join the default process group; returns the seconds it took."""
+    """Join the default process group; returns the seconds it took.
+
+    Rank 0 opens the rendezvous store on a port the kernel picks and only then tells the others where it
+    is: a port picked free and bound later can be taken meanwhile (gloo's own sockets, another job)."""
     import torch.distributed as dist
     t0 = time.monotonic()
     rank, size = comm.Get_rank(), comm.Get_size()
-    endpoint = None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, endpoint = None, None
     if rank == 0:
         addr = _own_address(single_host, master_addr)
-        endpoint = (addr, _free_port(addr))
+        with guarded(rank, f"torch.distributed rendezvous store (listening on {addr})"):
+            store = dist.TCPStore(addr, 0, size, True, timeout=timeout, wait_for_workers=False)
+        endpoint = (addr, store.port)
     addr, port = bcast_obj(comm, endpoint, 0, timeout=timeout_s, op="rendezvous address broadcast")
     kwargs: dict[str, Any] = {}
     if device.startswith("cuda"):
         import torch
         kwargs["device_id"] = torch.device(device)
     with guarded(rank, f"torch.distributed init ({backend_for(device)}, tcp://{addr}:{port})"):
-        dist.init_process_group(backend_for(device), init_method=f"tcp://{addr}:{port}", rank=rank,
-                                world_size=size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        if store is None:
+            store = dist.TCPStore(addr, port, size, False, timeout=timeout)
+        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout,
+                                **kwargs)
     return time.monotonic() - t0
 
 
