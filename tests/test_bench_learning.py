@@ -48,6 +48,16 @@ def test_final_gap_is_paired_by_seed():
     assert res["final_gap_se"] == pytest.approx(0.01)          # gaps 0.02 and 0.04
 
 
+def test_a_last_evaluation_after_the_budget_still_counts():
+    """Runs evaluate their final policy a little after the budget (the step in flight ends first): the
+    mean curves reach the final rewards, so reflow's time to sync's final reward is defined."""
+    sync = [[(0.0, 0.1), (60.0, 0.3), (120.4, 0.5)], [(0.0, 0.1), (60.0, 0.35), (120.2, 0.48)]]
+    reflow = [[(0.0, 0.1), (60.0, 0.45), (120.1, 0.52)], [(0.0, 0.1), (60.0, 0.47), (120.6, 0.5)]]
+    res = bl.summarise({"sync": sync, "reflow": reflow}, 120.0)
+    assert res["reflow_over_sync_time"] < 1.0
+    assert res["modes"]["sync"]["final_reward"] == pytest.approx(0.49)
+
+
 def test_the_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     curves = {"sync": [ramp(0.4, 0.8, 100.0), ramp(0.4, 0.7, 100.0)], "reflow": [ramp(0.4, 0.8, 50.0)] * 2}
