@@ -3,8 +3,9 @@
 Rank 0 opens the rendezvous store (a ``TCPStore``) on a port the kernel picks on its own address
 (``run.master_addr``, else loopback on one host, else its host name's address) and broadcasts
 ``host:port`` over MPI (a non-blocking broadcast with a deadline), then every rank joins the default
-group through that store: NCCL when the workers run on CUDA, gloo on CPU. The group's timeout is ``run.timeout_s``; :func:`guarded` turns a
-failing or timed-out collective into an error that names the rank and the operation.
+group through that store: NCCL when the workers run on CUDA, gloo on CPU. The group's timeout is
+``run.timeout_s``; :func:`guarded` turns a failing or timed-out collective into an error that names the
+rank and the operation.
 """
 
 from __future__ import annotations

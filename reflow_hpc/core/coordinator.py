@@ -137,8 +137,6 @@ class CheckpointRound:
     writing: bool = False                # phase 2: the writer was told to write
     partials: bool = False               # the run stops early: in-flight samples are saved into it
     saved: list[int] = field(default_factory=list)   # the samples the workers saved (phase 1)
-    final_stop: bool = False             # the last round of a run that stops early: the resumed run continues it
-    live: frozenset[int] = frozenset()   # the live samples in ``state``
 
 
 class Coordinator:
@@ -447,8 +445,10 @@ class Coordinator:
             raise ValueError(f"checkpoint: unexpected report that {tag} was written, from rank {worker}")
         self.checkpoint = None
         self.saved_partials |= set(c.saved)
-        if c.final_stop:
-            self.kept_by_checkpoint = set(c.live)
+        if self.stopped_early and c.step >= self.steps:
+            # The final round of an early stop: nothing has moved since its state was taken, so the live
+            # samples now are the ones it holds, and the resumed run continues them.
+            self.kept_by_checkpoint = set(self.index.live_ids())
         self.checkpoints_written.append((tag, c.step, path))
         self._log(now, "checkpoint", step=c.step, tag=tag, path=path)
         self._advance(out, now)
@@ -575,8 +575,7 @@ class Coordinator:
         others = [w for w in sorted(set(self.trainers) | set(self.rollouts))
                   if w != writer or (partials and w in self.rollouts)]
         self.checkpoint = CheckpointRound(tag, self.steps_done, writer, self.state_dict(), set(others),
-                                          partials=partials, final_stop=bool(due_final and self.stopped_early),
-                                          live=frozenset(self.index.live_ids()))
+                                          partials=partials)
         self._log(now, "checkpoint_begin", step=self.steps_done, tag=tag, partials=partials)
         out.extend(Checkpoint(w, self.steps_done, tag, partials and w in self.rollouts) for w in others)
         self._checkpoint_progress(out)
@@ -591,7 +590,6 @@ class Coordinator:
                 # more, so the state now includes every finished sample (all in flushed shards).
                 c.state = self.state_dict()
                 c.state["partials"] = sorted(c.saved)
-                c.live = frozenset(self.index.live_ids())
             out.append(SaveCheckpoint(c.writer, c.step, c.tag, c.state,
                                       {str(w): m for w, m in sorted(c.manifests.items())}))
 
