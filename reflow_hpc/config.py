@@ -253,8 +253,8 @@ class ResourcesConfig:
     """Workers and how they are split into pools: n_T·s_T + n_R·s_R = workers."""
     workers: int = opt(4, "W: worker processes (one per GPU, or per CPU slot on CPU).", ge=1)
     trainer_replicas: int = opt(2, "n_T: trainer replicas.", ge=0)
-    trainer_shard_size: int = opt(1, "s_T: workers per trainer replica (an FSDP shard group; only 1 until sharded "
-                                     "trainers exist).", ge=1)
+    trainer_shard_size: int = opt(1, "s_T: workers per trainer replica: its parameters, gradients and optimizer "
+                                     "state are sharded over them (FSDP2); 1 = full replicas.", ge=1)
     rollout_instances: int = opt(2, "n_R: rollout engine instances.", ge=0)
     rollout_tp_size: int = opt(1, "s_R: workers per rollout instance (tensor parallel; only 1 until a tensor-"
                                   "parallel engine exists).", ge=1)
@@ -618,11 +618,12 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
         raise ConfigError("resources.workers", r.workers,
                           f"n_T·s_T + n_R·s_R = {r.trainer_replicas}·{r.trainer_shard_size} + "
                           f"{r.rollout_instances}·{r.rollout_tp_size} = {used} must equal workers")
-    for key, value in (("resources.trainer_shard_size", r.trainer_shard_size),
-                       ("resources.rollout_tp_size", r.rollout_tp_size)):
-        if value != 1:
-            raise ConfigError(key, value, "only 1 is supported: sharded trainers and tensor-parallel engines do not "
-                                          "exist yet (a larger value would silently mean more full replicas)")
+    if r.rollout_tp_size > 1:
+        # A tensor-parallel instance spans several ranks that must step one engine in lockstep; the embedded
+        # torch engine runs one model per rank, and the vLLM backend runs one engine per rank on this build.
+        raise ConfigError("resources.rollout_tp_size", r.rollout_tp_size,
+                          f"rollout.engine = {cfg.rollout.engine!r} runs one engine per worker: only 1 is supported "
+                          "(a larger value would silently mean more full engines)")
     sch = cfg.scheduler
     for item in sch.placement_schedule:
         step, _, n = item.partition(":")

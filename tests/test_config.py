@@ -36,6 +36,8 @@ MALFORMED = [
     ("!!trainer = 3\n[run]\nname = 't'", "trainer"),                          # a value where a section belongs
     ("[reflow]\nmode = \"fully_async\"\n[resources]\nworkers = 4\ntrainer_replicas = 0\nrollout_instances = 4",
      "resources.trainer_replicas"),
+    ("[resources]\nworkers = 4\ntrainer_replicas = 2\nrollout_instances = 1\nrollout_tp_size = 2",
+     "resources.rollout_tp_size"),                                            # one engine per worker on this build
 ]
 
 
@@ -111,3 +113,10 @@ def test_shipped_configs_that_share_a_policy_warm_start_it_alike():
             continue
         first = by_path.setdefault(cfg.model.path, (path.name, recipe(cfg)))
         assert first[1] == recipe(cfg), f"{path.name} and {first[0]} warm-start {cfg.model.path} differently"
+
+
+def test_sharded_trainer_split_is_accepted():
+    """n_T·s_T + n_R·s_R = W with s_T = 2: one replica sharded over two workers, two rollout workers."""
+    cfg = C.load(None, ["resources.workers=4", "resources.trainer_replicas=1", "resources.trainer_shard_size=2",
+                        "resources.rollout_instances=2"], check_files=False)
+    assert cfg.resources.trainer_shard_size == 2
