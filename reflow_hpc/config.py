@@ -1,6 +1,7 @@
 """One tree of dataclasses, mirrored 1:1 by the sections of a TOML file.
 
     python -m reflow_hpc.config CONFIG [--set section.key=value ...]   # resolved config as TOML
+    python -m reflow_hpc.config CONFIG --no-files      # the same, without requiring model/data files here
     python -m reflow_hpc.config --reference                           # docs/config.md
 
 Every field carries its documentation and its bounds in ``field(metadata=...)``; the loader, the
@@ -97,6 +98,9 @@ class ModelConfig:
     """The policy."""
     path: str = opt("models/tiny-qwen3-arith", "Hugging Face model directory (config.json, weights, tokenizer).")
     warmstart: bool = opt(False, "Build and SFT-train the tiny CPU policy into `path` when it does not exist yet.")
+    init_config: str = opt("", "A Hugging Face config.json: when `path` holds no model, build that architecture with "
+                               "random weights (seeded by run.seed) and the character tokenizer into `path` "
+                               "(a real model's shape and cost without a download; it learns nothing useful).")
     dtype: str = opt("float32", "Parameter dtype of trainer and rollout engine.",
                      choices=("float32", "bfloat16", "float16"))
     tiny_hidden_size: int = opt(192, "Hidden size of the tiny Qwen3 policy that the warm start builds.", ge=8)
@@ -632,7 +636,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
                               f"expected \"STEP:TRAINER_REPLICAS\" with 1 ≤ replicas < resources.workers ({r.workers})")
     if sch.util_low > sch.util_high:
         raise ConfigError("scheduler.util_low", sch.util_low, f"must be ≤ scheduler.util_high ({sch.util_high})")
-    if sch.min_trainers + sch.min_rollouts > r.workers:
+    if cfg.reflow.mode == "reflow" and sch.elastic and sch.min_trainers + sch.min_rollouts > r.workers:
         raise ConfigError("scheduler.min_trainers", sch.min_trainers,
                           f"scheduler.min_trainers + scheduler.min_rollouts must be ≤ resources.workers ({r.workers})")
     if cfg.reflow.mode != "sync" and (r.trainer_replicas == 0 or r.rollout_instances == 0):
@@ -676,17 +680,23 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     if cfg.reflow.replay_filter not in replay_filter_names():
         raise ConfigError("reflow.replay_filter", cfg.reflow.replay_filter,
                           "registered: " + ", ".join(replay_filter_names()))
-    for hook in _VALIDATORS:
-        hook(cfg)
+    for hook, reads_files in _VALIDATORS:
+        if check_files or not reads_files:
+            hook(cfg)
+    if cfg.model.init_config and cfg.model.warmstart:
+        raise ConfigError("model.init_config", cfg.model.init_config,
+                          "builds a randomly initialised policy; model.warmstart builds the tiny one: set only one")
     if check_files:
+        if cfg.model.init_config and not Path(cfg.model.init_config).is_file():
+            raise ConfigError("model.init_config", cfg.model.init_config, "no such file (a Hugging Face config.json)")
         model = Path(cfg.model.path)
-        if not cfg.model.warmstart and not (model / "config.json").is_file():
+        if not (cfg.model.warmstart or cfg.model.init_config) and not (model / "config.json").is_file():
             why = "no such directory" if not model.exists() else "no config.json in this directory"
             raise ConfigError("model.path", cfg.model.path,
                               f"{why} (a Hugging Face model directory; or set model.warmstart = true)")
 
 
-_VALIDATORS: list[Callable[[Config], None]] = []
+_VALIDATORS: list[tuple[Callable[[Config], None], bool]] = []
 
 
 def _load_registrations(cfg: Config) -> None:
@@ -699,10 +709,14 @@ def _load_registrations(cfg: Config) -> None:
             raise ConfigError("run.plugins", module, f"cannot import: {e}") from None
 
 
-def validator(fn: Callable[[Config], None]) -> Callable[[Config], None]:
-    """Register a cross-key rule owned by another module (e.g. a task that needs data.path)."""
-    _VALIDATORS.append(fn)
-    return fn
+def validator(fn: Callable[[Config], None] | None = None, *, reads_files: bool = False) -> Any:
+    """Register a cross-key rule owned by another module (e.g. a task that needs data.path). A rule with
+    ``reads_files`` is skipped when files are not checked (``load(..., check_files=False)``: a cluster
+    config read where its model and data are not, such as ``--no-files`` or ``submit --dry-run``)."""
+    def register(f: Callable[[Config], None]) -> Callable[[Config], None]:
+        _VALIDATORS.append((f, reads_files))
+        return f
+    return register(fn) if fn is not None else register
 
 
 # --------------------------------------------------------------------------------------------
@@ -794,13 +808,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", nargs="?", help="TOML file (omit for the defaults)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--reference", action="store_true", help="print the Markdown reference of every key")
+    ap.add_argument("--no-files", action="store_true",
+                    help="check every rule except that the model directory and data files exist (a cluster "
+                         "config read on a machine that does not hold them)")
     args = ap.parse_args(argv)
 
     def go() -> int:
         if args.reference:
             print(reference(), end="")
             return 0
-        print(to_toml(load(args.config, args.overrides)), end="")
+        print(to_toml(load(args.config, args.overrides, check_files=not args.no_files)), end="")
         return 0
 
     return main_guard(go)

@@ -7,6 +7,8 @@
   ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``)
   into a temporary sibling and renames it into place, so a crash never leaves a half-written
   directory with a ``config.json`` that looks valid.
+- ``build_random_policy(cfg)`` builds the architecture of a Hugging Face ``config.json``
+  (``model.init_config``) with random weights over the same tokenizer: a real model's size, no download.
 - ``load_policy(path, dtype, device)`` loads any such directory with local files only, in eval mode.
 
 torch and transformers are imported inside the functions, so importing this module is cheap.
@@ -56,6 +58,38 @@ def build_tiny_policy(cfg: "Config") -> tuple[Any, Any]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.run.seed)
         model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    return model, tokenizer
+
+
+def build_random_policy(cfg: "Config") -> tuple[Any, Any]:
+    """(model, tokenizer): the architecture of ``model.init_config`` (a Hugging Face ``config.json``) with
+    random weights from ``run.seed``, over the character tokenizer (its ids fit any larger vocabulary).
+    The shape and cost of a real model where nothing can be downloaded; its outputs are noise."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from .envs.tokenizer import build_char_tokenizer
+
+    src = Path(cfg.model.init_config)
+    try:
+        raw = json.loads(src.read_text())
+        config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError("model.init_config", str(src), f"not a Hugging Face model config: {e}") from None
+    tokenizer = build_char_tokenizer(int(getattr(config, "max_position_embeddings", 256) or 256))
+    if config.vocab_size < len(tokenizer):
+        raise ConfigError("model.init_config", str(src), f"vocab_size {config.vocab_size} is smaller than the "
+                                                          f"character tokenizer's {len(tokenizer)}")
+    config.pad_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.run.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.model.dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, do_sample=False)

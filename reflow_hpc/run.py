@@ -191,7 +191,7 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
 
     try:
         if args.check:
-            from .runtime.selfcheck import CheckSide, run_check
+            from .runtime.selfcheck import CheckSide, gpus_by_node, run_check
             rt = Runtime(cfg, lambda: CheckSide(cfg, cfg.resources.workers))
         else:
             from .runtime.training import TrainingSide
@@ -225,6 +225,9 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
                 ok = "verified" if report.allreduce_ok and report.mpi_allreduce_ok else "FAILED"
                 print(f"self-check: {rt.size} ranks on {len(topo.nodes)} node(s), {report.backend} all-reduce "
                       f"{ok}, handshake {rt.coordinator.handshake_s * 1e3:.1f} ms; wrote {path}", flush=True)
+                for node, gpus in gpus_by_node(rt.coordinator.hellos).items():
+                    seen = "; ".join(gpus) if gpus else "none (no NVML: CPU node, or nvidia-ml-py not installed)"
+                    print(f"self-check: node {node}: GPUs seen by NVML: {seen}", flush=True)
             return 0 if report.allreduce_ok and report.mpi_allreduce_ok else 1
         op = "training"
         return train(rt)
@@ -338,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             check_resume(cfg)
         from .comm.mpi import under_launcher
         if not under_launcher():
-            if not args.check and cfg.model.warmstart:
+            if not args.check and (cfg.model.warmstart or cfg.model.init_config):
                 from .warmstart import ensure_policy
                 ensure_policy(cfg)
             return relaunch(cfg, argv)

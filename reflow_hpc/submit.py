@@ -195,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         # Overrides given before `--` count for submission and ranks; those after it for the ranks too.
         forwarded = [x for o in args.overrides for x in ("--set", o)] + run_args
         overrides = [forwarded[i + 1] for i, a in enumerate(forwarded[:-1]) if a == "--set"]
-        cfg = load(args.config, overrides)
+        # A dry run shows the script for a config whose model and data live on the cluster, not here: every
+        # rule is checked except that those files exist (a real submission checks them too).
+        files = not args.dry_run
+        cfg = load(args.config, overrides, check_files=files)
         if args.mpi:
-            load(args.config, overrides + [f"slurm.mpi={args.mpi}"])  # validates the plugin name
+            load(args.config, overrides + [f"slurm.mpi={args.mpi}"], check_files=files)  # validates the plugin
         ex = make_executor(cfg, args)
         if args.dry_run:
             print(sbatch_text(ex), end="")

@@ -200,7 +200,8 @@ def recipe(cfg: "Config") -> dict:
 
 
 def ensure_policy(cfg: "Config", log=print) -> Path:
-    """``model.path``, warm-started first when it holds no model and ``model.warmstart`` is true."""
+    """``model.path``; when it holds no model, warm-started first (``model.warmstart``) or built with random
+    weights (``model.init_config``)."""
     path = Path(cfg.model.path)
     if (path / "config.json").is_file():
         if cfg.model.warmstart and (path / RECIPE).is_file():
@@ -212,6 +213,12 @@ def ensure_policy(cfg: "Config", log=print) -> Path:
                                   f"delete it to warm-start again, set another model.path, or use it as it is with "
                                   f"model.warmstart = false")
         return path
+    if cfg.model.init_config:
+        from .policy import build_random_policy, num_parameters, save_policy
+        model, tokenizer = build_random_policy(cfg)
+        log(f"policy: {num_parameters(model) / 1e6:.1f} M parameters with random weights, the architecture of "
+            f"{cfg.model.init_config}, saved to {path}")
+        return save_policy(model, tokenizer, path)
     if not cfg.model.warmstart:
         why = "no such directory" if not path.exists() else "no config.json in this directory"
         raise ConfigError("model.path", cfg.model.path,

@@ -119,7 +119,7 @@ def load_rows(cfg: "Config") -> list[tuple[str, str]]:
     return rows
 
 
-@validator
+@validator(reads_files=True)
 def _check_data(cfg: "Config") -> None:
     """File tasks: the file must exist and be readable, and its first record must have the fields."""
     if cfg.task.name != "math_boxed":

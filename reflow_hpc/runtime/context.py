@@ -22,6 +22,7 @@ from ..core.coordinator import Unresponsive
 from .coordinator import CoordinatorSide, CoordinatorThread
 from .messages import TAG_COORDINATOR, Failure, Hello, Stop, Welcome
 from .service import ServiceThread
+from .telemetry import nvml_gpus
 from .topology import Topology, check_world_size, node_name, scratch_dir, visible_devices
 
 # The coordinator bounds the handshake by run.timeout_s and names a missing rank; a worker waits
@@ -78,7 +79,7 @@ class Runtime:
         scratch = scratch_dir(self.cfg.storage.dir, self.cfg.run.name, self.rank)
         t0 = time.time()
         self.control.send(0, Hello(self.rank, node_name(), socket.gethostname(), os.getpid(), str(scratch),
-                                   visible_devices(), t0), TAG_COORDINATOR)
+                                   visible_devices(), t0, nvml_gpus()), TAG_COORDINATOR)
         welcome = self.service.next_command(WELCOME_WAIT_FACTOR * self.cfg.run.timeout_s,
                                             "handshake (waiting for welcome)")
         if not isinstance(welcome, Welcome):

@@ -34,6 +34,7 @@ class Hello:
     scratch: str
     devices: list[str]   # devices visible to this process
     sent_at: float       # worker clock (time.time()), for handshake timings
+    gpus: list[str] = field(default_factory=list)   # GPUs NVML sees on this node (empty without NVML)
 
 
 @dataclass
@@ -180,8 +181,10 @@ class Switched:
 @dataclass
 class Heartbeat:
     """Either direction: I am alive (the service thread sends it while the main thread works). A rollout
-    worker's carries its cumulative idle time, generated tokens and engine load."""
+    worker's carries its cumulative idle time, generated tokens and engine load; a worker on a GPU with
+    NVML its GPU's latest reading (:mod:`reflow_hpc.runtime.telemetry`)."""
     rank: int
     idle_s: float = 0.0
     generated_tokens: int = 0
     load: EngineReport | None = None
+    gpu: dict | None = None

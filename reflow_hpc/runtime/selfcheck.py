@@ -71,7 +71,7 @@ def write_topology(cfg: Config, hellos: list[Hello], reports: dict[int, CheckRep
     for h in hellos:
         entry = {"rank": h.rank, "node": h.node, "node_id": placement.node_of_rank[h.rank],
                  "local_rank": placement.local_rank[h.rank], "hostname": h.hostname, "pid": h.pid,
-                 "visible_devices": h.devices, "scratch": h.scratch}
+                 "visible_devices": h.devices, "nvml_gpus": h.gpus, "scratch": h.scratch}
         if roles is not None:
             entry["role"] = roles[h.rank]
         if reports is not None:
@@ -106,6 +106,14 @@ def write_topology(cfg: Config, hellos: list[Hello], reports: dict[int, CheckRep
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     os.replace(tmp, out)
+    return out
+
+
+def gpus_by_node(hellos: list[Hello]) -> dict[str, list[str]]:
+    """What NVML sees on each node, from the first hello of that node."""
+    out: dict[str, list[str]] = {}
+    for h in hellos:
+        out.setdefault(h.node, h.gpus)
     return out
 
 

@@ -25,6 +25,7 @@ from ..core.modes import rules
 from ..core.scheduling import EngineLoad
 from ..metrics import MetricsSink, StepMetrics
 from .eventlog import EventWriter
+from .telemetry import step_metrics as gpu_step_metrics
 from .messages import (CheckpointWritten, EngineReport, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished,
                        ShardsFlushed, StepDone, Switched, SyncDone)
 
@@ -63,6 +64,7 @@ class TrainingSide:
         self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.metrics.tensorboard,
                                    append=self.resume_from is not None)
         self.step_metrics = StepMetrics(cfg.reflow.mode)
+        self.gpu: dict[int, dict] = {}          # rank -> its GPU's latest telemetry (heartbeats)
         # The event log: every index event, appended as JSON lines by a thread of its own (schema:
         # docs/storage.md).
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -140,6 +142,8 @@ class TrainingSide:
     # ------------------------------------------------------------------------------ handlers
 
     def _heartbeat(self, source: int, msg: Heartbeat, now: float) -> list:
+        if msg.gpu:
+            self.gpu[source] = msg.gpu
         self.coordinator.rollout_progress(source, idle_s=msg.idle_s, generated_tokens=msg.generated_tokens)
         return self._load(source, msg.load, now)
 
@@ -197,6 +201,7 @@ class TrainingSide:
         self._write_events()
         for rec in c.completed:
             record = self.step_metrics(rec)
+            record.update(gpu_step_metrics(self.gpu))
             self.metrics.write(record)
             self.metrics.progress(record)
             for sw in rec.switches:

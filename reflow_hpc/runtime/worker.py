@@ -212,7 +212,10 @@ class Worker:
 
     def run(self) -> int:
         svc = self.rt.service
-        svc.heartbeat = lambda: self.rt.send(Heartbeat(self.rank, self.idle_s, self._generated_tokens(), self._load()))
+        from .telemetry import GpuTelemetry
+        gpu = GpuTelemetry.open(self.device, self.rank)
+        svc.heartbeat = lambda: self.rt.send(Heartbeat(self.rank, self.idle_s, self._generated_tokens(), self._load(),
+                                                       gpu.read() if gpu is not None else None))
         svc.heartbeat_s = self.cfg.run.heartbeat_s
         setup = self._wait(lambda m: isinstance(m, Setup), "waiting for setup")
         self.setup(setup)
