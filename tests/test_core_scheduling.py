@@ -145,3 +145,22 @@ def test_length_prediction_follows_finished_samples():
     for _ in range(20):
         s.finished(200)
     assert math.isclose(s.predicted_tokens, 200.0, rel_tol=1e-3)
+
+
+def test_replay_that_cannot_fill_its_slots_counts_as_missing_fresh_samples():
+    """At δ = 1 trained samples are evicted before they can be replayed: a step then needs b fresh samples,
+    not (1 − σ)·b, and a split that produces only (1 − σ)·b per step is generation-bound."""
+    def windows(supply):
+        pl = planner(n_t=4)              # 4 trainers, 4 rollout workers; b = 32, σ = 0.5
+        for _ in range(12):
+            # Each step: the trainers compute half of it and wait the other half for 32 fresh samples.
+            new = pl.observe(Window(produced=32, step_s=2.0, idle_trainer=0.5, idle_rollout=0.0,
+                                    replay_supply=supply))
+            if new is not None:
+                pl.applied(new)
+        return pl
+    starved = windows(supply=0)
+    assert starved.fresh_target() == 32 and starved.current < 4
+    fed = windows(supply=16)             # replay fills its 16 slots: 16 fresh per trainer-bound step suffice
+    assert fed.fresh_target() == 16 and fed.current == 4
+    assert windows(supply=None).fresh_target() == 16     # unknown supply: the σ·b replay may bring

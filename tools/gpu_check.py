@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import socket
 import sys
 import time
@@ -291,6 +292,7 @@ def main() -> int:
         import tempfile
         out_dir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
         cmd = [sys.executable, "-m", "reflow_hpc.run", args.config, "--set", f"run.output_dir={out_dir}",
+               "--set", f"storage.dir={out_dir / 'scratch'}",
                "--set", "run.name=gpu_check", "--set", "trainer.steps=4", "--set", "run.eval_prompts=0",
                "--set", f"model.path={out_dir / 'model'}"]
         if args.small:
@@ -299,9 +301,12 @@ def main() -> int:
                     "--set", "warmstart.eval_prompts=0"]
         if not cuda:
             cmd += ["--set", "resources.device=cpu"]
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        metrics = out_dir / "gpu_check" / "metrics.jsonl"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            metrics = out_dir / "gpu_check" / "metrics.jsonl"
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
         steps = [x for x in rows if "throughput_tokens_per_s" in x]
         if r.returncode != 0 or not steps:
             tail = (r.stderr or r.stdout).strip().splitlines()[-3:]

@@ -90,6 +90,7 @@ class Settings:
     eval_every: int = 0          # steps between weight snapshots for evaluation (0: only the last step's)
     time_budget_s: float = 0.0   # stop as at a preemption once the run trained this long (0: no budget)
     event_log: bool = True       # record every index event in ``events`` (drained by the driver)
+    trainer_shard: int = 1       # s_T: workers per trainer replica (one shard group); trainers are whole replicas
 
 
 @dataclass
@@ -135,6 +136,8 @@ class CheckpointRound:
     flushing: set[int]                   # phase 1: workers whose shard manifest is still due
     manifests: dict[int, dict] = field(default_factory=dict)
     writing: bool = False                # phase 2: the writer was told to write
+    unwritten: set[int] = field(default_factory=set)   # phase 2: the writer and its shard group, not yet done
+    path: str = ""                       # where the writer wrote it
     partials: bool = False               # the run stops early: in-flight samples are saved into it
     saved: list[int] = field(default_factory=list)   # the samples the workers saved (phase 1)
 
@@ -155,10 +158,17 @@ class Coordinator:
         self.settings, self.rules, self.index = settings, rules, index
         self.trainers, self.rollouts = list(trainers), list(rollouts)
         self.workers = list(range(world))
+        self.shard = s = settings.trainer_shard
+        if s < 1 or len(self.trainers) % s:
+            raise ValueError(f"{len(self.trainers)} trainer ranks are not whole replicas of s_T = {s} shards")
         elastic = settings.placement is not None or settings.placement_schedule
         if elastic and (rules.colocated or self.trainers + self.rollouts != self.workers):
             raise ValueError("an elastic pool needs split pools: trainers first, then rollout workers")
-        self.planner = PlacementPlanner(settings.placement, len(self.trainers)) if settings.placement else None
+        for step, n in settings.placement_schedule:
+            if not 1 <= n * s < world:
+                raise ValueError(f"placement schedule {step}:{n}: {n} trainer replicas of {s} shards need {n * s} of "
+                                 f"the {world} workers and must leave at least one rollout worker")
+        self.planner = PlacementPlanner(settings.placement, self.replicas) if settings.placement else None
         self.generation = GenerationScheduler(settings.scheduling, self.rollouts, cap_max=settings.cap_max,
                                               kv_budget=settings.kv_budget)
         self.pending_placement: int | None = None            # trainer replicas to switch to at the next sync point
@@ -229,7 +239,7 @@ class Coordinator:
                 "next_prompt": self.next_prompt, "version": self.index.version,
                 "history": {"fresh_rewards": list(self.fresh_rewards), "elapsed_s": self._elapsed(self.last_step_end),
                             "placements": [list(p) for p in self.placements]},
-                "finish_reasons": dict(self.finish_reasons), "trainer_replicas": len(self.trainers)}
+                "finish_reasons": dict(self.finish_reasons), "trainer_replicas": self.replicas}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from a checkpoint's state: samples in flight then end as aborted, the rest is pooled again
@@ -245,8 +255,8 @@ class Coordinator:
         self.checkpoint_tag = _tag(self.steps_done) if self.steps_done else ""
         self.snapshot_step = self.steps_done                # scored by the run that saved it
         self.placements = [tuple(p) for p in state.get("history", {}).get("placements", [])]
-        n_t = state.get("trainer_replicas", len(self.trainers))
-        if not self.rules.colocated and n_t != len(self.trainers):        # the split in force at the checkpoint
+        n_t = state.get("trainer_replicas", self.replicas)
+        if not self.rules.colocated and n_t != self.replicas:             # the split in force at the checkpoint
             self._set_pools(n_t)
             if self.planner is not None:
                 self.planner.applied(n_t)
@@ -267,7 +277,7 @@ class Coordinator:
         """Trainer replica counts the pool may take (workers prepare a process group for each)."""
         if self.planner is not None:
             return tuple(self.planner.feasible())
-        return tuple(sorted({len(self.trainers), *(n for _, n in self.settings.placement_schedule)}))
+        return tuple(sorted({self.replicas, *(n for _, n in self.settings.placement_schedule)}))
 
     def heard(self, worker: int, now: float) -> None:
         """Any message from ``worker`` (liveness)."""
@@ -438,11 +448,18 @@ class Coordinator:
         return out
 
     def checkpoint_written(self, worker: int, tag: str, path: str, *, now: float) -> list[Any]:
-        """Phase 2 of a checkpoint: the writer wrote it."""
+        """Phase 2 of a checkpoint: the writer wrote it (``path``), or another worker of its replica took
+        its part (``path`` empty)."""
         out: list[Any] = []
         c = self.checkpoint
-        if c is None or tag != c.tag or worker != c.writer or not c.writing:
+        if c is None or tag != c.tag or worker not in c.unwritten or not c.writing:
             raise ValueError(f"checkpoint: unexpected report that {tag} was written, from rank {worker}")
+        c.unwritten.discard(worker)
+        if worker == c.writer:
+            c.path = path
+        if c.unwritten:
+            return out
+        path = c.path
         self.checkpoint = None
         self.saved_partials |= set(c.saved)
         if self.stopped_early and c.step >= self.steps:
@@ -549,16 +566,18 @@ class Coordinator:
         else:
             src = self.trainers[0]
             group = (src, *self.rollouts)
-            for w in group:
+            # The other workers of the source's replica gather its full weights with it (sharded replicas).
+            for w in (*self.trainers[1:self.shard], *group):
                 out.append(Sync(w, v, src, group))
-            self.syncing = set(group)
+            self.syncing = set(group) | set(self.trainers[:self.shard])
         self.sync_slowest = 0.0
 
     def _snapshot(self, out: list[Any], now: float) -> None:
         # Once per step; step 0 is the warm start, which the run scores before it starts.
         if self.steps_done and self.steps_done != self.snapshot_step:
             self.snapshot_step = self.steps_done
-            out.append(Snapshot(self.trainers[0], self.steps_done, self.index.version, self._elapsed(now)))
+            out.extend(Snapshot(w, self.steps_done, self.index.version, self._elapsed(now))
+                       for w in self.trainers[:self.shard])       # the replica gathers, its first worker saves
 
     def _maybe_checkpoint(self, out: list[Any], now: float) -> bool:
         every = self.settings.checkpoint_every
@@ -590,8 +609,10 @@ class Coordinator:
                 # more, so the state now includes every finished sample (all in flushed shards).
                 c.state = self.state_dict()
                 c.state["partials"] = sorted(c.saved)
-            out.append(SaveCheckpoint(c.writer, c.step, c.tag, c.state,
-                                      {str(w): m for w, m in sorted(c.manifests.items())}))
+            # The writer's whole replica gathers the model and optimizer state; the writer writes them.
+            c.unwritten = set(self.trainers[:self.shard]) | {c.writer}
+            manifests = {str(w): m for w, m in sorted(c.manifests.items())}
+            out.extend(SaveCheckpoint(w, c.step, c.tag, c.state, manifests) for w in sorted(c.unwritten))
 
     def _maybe_train(self, out: list[Any], now: float) -> None:
         if self.batch is not None:
@@ -639,8 +660,14 @@ class Coordinator:
     # The elastic pool
     # ------------------------------------------------------------------------------------------
 
-    def _set_pools(self, n_trainers: int) -> None:
-        self.trainers, self.rollouts = self.workers[:n_trainers], self.workers[n_trainers:]
+    @property
+    def replicas(self) -> int:
+        """n_T: trainer replicas in force (each of ``trainer_shard`` workers)."""
+        return len(self.trainers) // self.shard
+
+    def _set_pools(self, n_replicas: int) -> None:
+        n = n_replicas * self.shard
+        self.trainers, self.rollouts = self.workers[:n], self.workers[n:]
         for w in self.workers:
             if w in self.rollouts:
                 self.generation.add_worker(w)
@@ -650,14 +677,16 @@ class Coordinator:
     def _plan(self, now: float) -> None:
         """After a step: does the placement planner (or the schedule) want another split?"""
         forced = [n for step, n in self.settings.placement_schedule if step == self.steps_done]
-        if forced and forced[-1] != len(self.trainers):
+        if forced and forced[-1] != self.replicas:
             self.pending_placement = forced[-1]
         elif self.planner is not None and self.completed:
             rec = self.completed[-1]
             step_s = max(rec.done_at - rec.started_at, 1e-9)
             idle_t = _mean([r.idle_s for r in rec.replicas]) / step_s if rec.replicas else 0.0
             idle_r = rec.rollout_idle_s / (rec.rollout_workers * step_s) if rec.rollout_workers else 0.0
-            new = self.planner.observe(Window(rec.produced, step_s, min(1.0, idle_t), min(1.0, idle_r)))
+            new = self.planner.observe(Window(rec.produced, step_s, min(1.0, idle_t), min(1.0, idle_r),
+                                              replay_supply=rec.gauges.get("buffer/replay", 0)
+                                              if self.rules.replays else 0))
             rec.placement_mismatch = self.planner.last_mismatch
             if new is not None and self.steps_done < self.steps:
                 self.pending_placement = new
@@ -668,13 +697,16 @@ class Coordinator:
         if n_t is None or not self.want_sync or self.batch is not None or self.syncing or self.checkpoint:
             return False
         self.pending_placement = None
-        if n_t == len(self.trainers):
+        if n_t == self.replicas:
             return False
         old_t, old_r = list(self.trainers), list(self.rollouts)
         self.switch_from = (old_t, old_r)
         self._set_pools(n_t)
         joining = [w for w in self.trainers if w not in old_t]
-        transfers = tuple((old_t[i % len(old_t)], w) for i, w in enumerate(joining))
+        # A joining replica's i-th worker gets the state of the i-th worker (the same shard) of an existing
+        # replica, the replicas taken in turn; joining workers are whole replicas (the pools are prefixes).
+        s, old_n = self.shard, len(old_t) // self.shard
+        transfers = tuple((old_t[(i // s) % old_n * s + i % s], w) for i, w in enumerate(joining))
         for w in self.workers:
             out.append(Switch(w, tuple(self.trainers), tuple(self.rollouts), self.index.version, transfers))
         self._log(now, "switch", trainers=list(self.trainers), rollouts=list(self.rollouts))
@@ -686,9 +718,9 @@ class Coordinator:
 
     def _switch_done(self, out: list[Any], now: float) -> None:
         """Every worker switched: record it, sync the new rollout pool, re-dispatch what was handed off."""
-        self.placements.append((self.steps_done, len(self.trainers)))
+        self.placements.append((self.steps_done, self.replicas))
         if self.planner is not None:
-            self.planner.applied(len(self.trainers))
+            self.planner.applied(self.replicas)
         handed = sum(len(ids) for ids in self.handed_off.values())
         self.handed_over += handed
         self._log(now, "switched", seconds=now - self.switch_started_at, handed_off=handed)

@@ -1,11 +1,14 @@
 """Rollout/trainer placement (paper §6.2, Algorithm 1): how many workers train and how many generate.
 
 Producer–consumer model. Rollout workers produce samples; trainers consume ``b`` per step, of which
-at least ``(1−σ)·b`` must be unused (fresh). Over each window (one step) the planner measures:
+at least ``(1−σ)·b`` must be unused (fresh), and more when replay cannot fill its ``σ·b`` slots: at a
+small δ a trained sample is often evicted as too stale before it can be replayed. Over each window
+(one step) the planner measures:
 
 - ``produced``: fresh samples that finished in the window, ``n_R`` rollout workers;
 - ``step_s``: the window's wall time; ``idle_T``: the fraction of it the trainers waited for a batch;
-  ``idle_R``: the fraction the rollout workers had nothing to generate.
+  ``idle_R``: the fraction the rollout workers had nothing to generate;
+- ``r``: the replay samples the next batch can draw (the replay pool after the step, at most σ·b).
 
 Waiting is not capacity. A trainer that starved for data, or a rollout worker blocked by the
 dispatch window or the staleness bound, would have done more, so the planner corrects for it::
@@ -21,7 +24,7 @@ rates are extrapolated linearly (data-parallel replicas; independent engines)::
 
     step'     = t / n_T'                  the trainer-bound step time
     coverage' = p · n_R' · step'          fresh samples produced during one step
-    mismatch' = | log(coverage' / ((1 − σ)·b)) |
+    mismatch' = | log(coverage' / (b − r)) |  (r smoothed like p and t)
 
 and the placement with the smallest mismatch is proposed (ties: the current placement, then more
 rollout workers). It is applied only when (1) at least ``cooldown_steps`` steps passed since the
@@ -57,6 +60,7 @@ class Window:
     step_s: float
     idle_trainer: float              # fraction of the window
     idle_rollout: float
+    replay_supply: float | None = None   # replay samples the next batch can draw (None: the σ·b it may)
 
 
 class PlacementPlanner:
@@ -67,6 +71,7 @@ class PlacementPlanner:
         self.current = n_trainers
         self.rate = None                 # p, smoothed
         self.train_s = None              # t, smoothed
+        self.supply = None               # r, replay samples a batch can draw, smoothed
         self.steps_since_change = 0
         self.last_mismatch = math.nan
         self.proposed = n_trainers
@@ -98,6 +103,9 @@ class PlacementPlanner:
         a = self.s.ema_alpha
         self.rate = p if self.rate is None else a * p + (1 - a) * self.rate
         self.train_s = t if self.train_s is None else a * t + (1 - a) * self.train_s
+        if w.replay_supply is not None:
+            r = min(w.replay_supply, self.s.sigma * self.s.batch_size)
+            self.supply = r if self.supply is None else a * r + (1 - a) * self.supply
         scores = {k: self.mismatch(k) for k in self.feasible()}
         self.last_mismatch = scores.get(self.current, math.nan)
         self.proposed = min(scores, key=lambda k: (scores[k], k != self.current, k))
@@ -120,5 +128,11 @@ class PlacementPlanner:
             return math.nan
         step = self.train_s / n_t
         coverage = self.rate * self.rollouts(n_t) * step
-        target = (1.0 - self.s.sigma) * self.s.batch_size
-        return abs(math.log(max(coverage, 1e-12) / target))
+        return abs(math.log(max(coverage, 1e-12) / self.fresh_target()))
+
+    def fresh_target(self) -> float:
+        """Fresh samples a step needs: b less what replay can supply (σ·b at most; less when δ evicts
+        trained samples before they can be replayed, as at δ = 1)."""
+        b = self.s.batch_size
+        supply = self.s.sigma * b if self.supply is None else self.supply
+        return max(b - supply, 1.0)
