@@ -247,9 +247,12 @@ def load_model_weights(model: Any, model_dir: str | os.PathLike) -> None:
     """Copy the safetensors weights of a Hugging Face directory into ``model`` in place.
 
     Every parameter of the model must be present (tied parameters are stored once); a tensor the
-    model lacks or a shape that differs fails naming the tensor and the directory.
+    model lacks or a shape that differs fails naming the tensor and the directory. A sharded
+    parameter (a trainer's DTensor) takes this rank's rows of the stored tensor.
     """
     from safetensors.torch import load_file
+
+    from .sharding import copy_full_into
 
     model_dir = Path(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
@@ -270,7 +273,7 @@ def load_model_weights(model: Any, model_dir: str | os.PathLike) -> None:
                 if tuple(value.shape) != tuple(target.shape):
                     raise ValueError(f"checkpoint model {model_dir}: {name} has shape {tuple(value.shape)}, the "
                                      f"model's is {tuple(target.shape)}")
-                target.copy_(value)
+                copy_full_into(target, value)
                 seen.add(name)
     missing = [n for n in dict(model.named_parameters()) if n not in seen]
     if missing:

@@ -18,6 +18,10 @@ Rules it implements:
   its model. Each bucket gets a fresh buffer, so a consumer that keeps tensors still sees correct
   data, while one that copies and drops them never holds more than about one bucket beyond its
   model. A consumer must exhaust the iterator: the source waits for every member at every bucket.
+- **Streamed on the source.** :meth:`WeightSync.send` takes ``(name, tensor)`` pairs from its
+  iterator only as the buckets need them, so a sharded trainer that gathers its full tensors on
+  demand (:meth:`reflow_hpc.train.trainer.Trainer.named_weights`, the other members of its shard
+  group gathering alongside) never holds its whole model at once.
 - **Bounded waits.** Every collective waits at most ``timeout_s`` (pass ``run.timeout_s``; None
   falls back to the group's own timeout, 30 min for a gloo group made without one, see
   :mod:`reflow_hpc.comm.collective`); a failure or a member that never joins ends in
@@ -92,20 +96,35 @@ class WeightSync:
         if not self.is_source:
             raise RuntimeError(f"rank {self.rank}: weight sync send() on a receiver (the source is rank {self.src})")
         t0 = time.perf_counter()
-        tensors = dict(named_tensors)
-        for s in self.specs:
-            t = tensors.get(s.name)
-            if t is None:
-                raise ValueError(f"rank {self.rank}: weight sync: tensor {s.name} is missing from what was sent")
-            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-                raise ValueError(f"rank {self.rank}: weight sync: {s.name} is {tuple(t.shape)} {t.dtype}, the plan "
-                                 f"expects {s.shape} {s.dtype}")
         self._verify()
+        # Taken from the iterator only as the buckets need them: a source that produces its tensors on
+        # demand (a sharded trainer gathers them) holds about one bucket beyond its model.
+        source = iter(named_tensors)
+        known = {s.name: s for s in self.specs}
+        pending: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for bucket in self.buckets:
-                flat = pack(bucket, [tensors[s.name] for s in bucket.specs], self.device)
+                for s in bucket.specs:
+                    while s.name not in pending:
+                        name, t = next(source, (None, None))
+                        if name is None:
+                            raise ValueError(f"rank {self.rank}: weight sync: tensor {s.name} is missing from what "
+                                             f"was sent")
+                        self._check(known, name, t)
+                        pending[name] = t
+                flat = pack(bucket, [pending.pop(s.name) for s in bucket.specs], self.device)
                 self._broadcast(flat, bucket)
+        for name, t in source:
+            self._check(known, name, t)
         return self._finish(t0)
+
+    def _check(self, known: dict[str, TensorSpec], name: str, t: torch.Tensor) -> None:
+        s = known.get(name)
+        if s is None:
+            raise ValueError(f"rank {self.rank}: weight sync: tensor {name} is not in the plan")
+        if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+            raise ValueError(f"rank {self.rank}: weight sync: {s.name} is {tuple(t.shape)} {t.dtype}, the plan "
+                             f"expects {s.shape} {s.dtype}")
 
     # ------------------------------------------------------------------ receivers
 
