@@ -19,7 +19,7 @@ class Setup:
     colocated: bool                 # every worker generates and trains (sync mode)
     version: int                    # policy version of the weights below
     resume_from: str | None         # checkpoint directory, or None for a fresh start
-    placements: tuple[int, ...] = ()   # trainer replica counts the elastic pool may take (one group set each)
+    placements: tuple[int, ...] = ()   # trainer replica counts (n_T) the elastic pool may take (one group set each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +61,9 @@ class Train:
 
 @dataclass(frozen=True)
 class Sync:
-    """Publish weights of ``version``: ``src`` broadcasts to ``group`` (the worker is one of them).
-    ``src`` None means colocated: the worker loads its own trainer weights into its engine."""
+    """Publish weights of ``version``: ``src`` broadcasts to ``group``. A worker outside ``group`` is one
+    of the source's sharded replica: it gathers the full weights with ``src``. ``src`` None means
+    colocated: the worker loads its own trainer weights into its engine."""
     worker: int
     version: int
     src: int | None
@@ -96,7 +97,9 @@ class Checkpoint:
 @dataclass(frozen=True)
 class SaveCheckpoint:
     """Phase 2, to the writer once every other worker flushed: flush your shards too, then write the
-    checkpoint with the model, the optimizer, ``state`` (the coordinator's) and every manifest."""
+    checkpoint with the model, the optimizer, ``state`` (the coordinator's) and every manifest. Also to
+    the other workers of a sharded writer's replica: they gather the model and optimizer state with it
+    and report."""
     worker: int
     step: int
     tag: str
@@ -107,7 +110,8 @@ class SaveCheckpoint:
 @dataclass(frozen=True)
 class Snapshot:
     """Save the trainer's weights of ``version`` for evaluation after the run (``run.eval_every_steps``);
-    ``elapsed_s`` is the training time of the run when the step that made them ended."""
+    ``elapsed_s`` is the training time of the run when the step that made them ended. Sent to every
+    worker of the first (sharded) replica: they gather, its first worker saves."""
     worker: int
     step: int
     version: int

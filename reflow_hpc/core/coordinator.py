@@ -15,16 +15,23 @@ same events and carry out the same commands (:mod:`reflow_hpc.core.commands`); i
   :class:`Unresponsive` naming it.
 - **the two-phase checkpoint** (:class:`CheckpointRound`): every worker but the writer flushes its
   shards and reports its manifest; then the writer (the first trainer) flushes its own, writes the
-  model, the optimizer, the coordinator's state and every manifest, and reports the path.
+  model, the optimizer, the coordinator's state and every manifest, and reports the path. With
+  sharded trainer replicas the other workers of the writer's replica get the same command and
+  report too: they take part in gathering the model and the optimizer state.
 - **the step records** (:class:`StepRecord`): what is known of each finished step, drained by the
   driver (``metrics.StepMetrics`` turns them into metrics).
+- **trainer replicas of** ``s_T = trainer_shard`` **workers** (FSDP2 shard groups of consecutive
+  ranks): each trainer rank trains its own share of a batch; the first replica's whole shard group
+  takes part in every sync (its first worker broadcasts, the others gather with it), snapshot and
+  checkpoint; placements count replicas.
 - **the elastic pool** (split modes): which workers train and which generate. Trainers are the
-  first ``n_T`` ranks, rollout workers the rest. After each step the placement planner
+  first ``n_T·s_T`` ranks (whole replicas), rollout workers the rest. After each step the placement planner
   (:mod:`reflow_hpc.core.placement`, or a fixed schedule) may ask for another ``n_T``; the switch
   happens at the next sync point (:meth:`_switch`): every worker gets a :class:`Switch`, a worker
   that leaves rollout hands its in-flight samples over (they are re-dispatched to the remaining
   rollout workers as :class:`Resume`, partial tokens and versions intact), a new trainer replica
-  receives parameters and optimizer state from an existing one, and the sync that follows gives
+  receives parameters and optimizer state from an existing one (each worker from the worker with
+  its shard index), and the sync that follows gives
   the new rollout workers the current weights.
 - **generation scheduling** (:mod:`reflow_hpc.core.scheduling`): each rollout worker's concurrency
   cap from its engine's load, and token-aware admission when dispatching.

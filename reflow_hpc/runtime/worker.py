@@ -4,24 +4,28 @@ A worker is hybrid: its role — rollout, trainer, or both in colocated ``sync``
 coordinator's :class:`~reflow_hpc.core.commands.Setup` and later :class:`~reflow_hpc.core.commands.Switch`
 commands say. At set-up every worker builds both sides (pre-warm): the rollout engine with its
 episode runner and sample store (whose fetch server the service thread polls), the trainer with its
-fetch client, and, for every placement the elastic pool may take, the trainer replica group and the
-weight-sync group. The side its role does not use sleeps (on a GPU: offloaded). Then it carries out
+fetch client, its replica's shard group (``resources.trainer_shard_size`` > 1: the trainer is
+FSDP2-sharded over it) and, for every placement the elastic pool may take, the trainer replica group
+(with shards: this rank's counterparts) and the weight-sync group (docs/architecture.md, "Process
+groups"). The side its role does not use sleeps (on a GPU: offloaded). Then it carries out
 the coordinator's commands in the order they arrive (``handlers``: one method per command type)
 and, whenever it has requests in flight, steps the engine between them:
 
 - ``Dispatch`` → requests into the engine; finished samples go to the store (memory + shard) and
   their metadata to the coordinator.
 - ``Train`` → fetch payloads from their owners, one optimizer step, ``StepDone``.
-- ``Sync`` → source: broadcast the weights in buckets; rollout: hold in-flight requests, load the
-  weights, resume them (partial rollout); colocated: load the worker's own trainer weights.
+- ``Sync`` → source: broadcast the weights in buckets; the other workers of its sharded replica:
+  gather them with it; rollout: hold in-flight requests, load the weights, resume them (partial
+  rollout); colocated: load the worker's own trainer weights (gathered over its shard group).
 - ``Switch`` → the pools change: leaving rollout, hand the samples in flight over (served to whoever
   resumes them) and put the engine to sleep; joining the trainers, receive parameters and optimizer
-  state from an existing replica; leaving training, wake the engine (the next sync brings the
-  weights). ``Resume`` → fetch partial samples from the worker that handed them over and continue
-  them. ``SetCap`` → the engine's concurrency cap.
+  state (sharded: this rank's shards) from the worker named in the transfers; leaving training,
+  wake the engine (the next sync brings the weights). ``Resume`` → fetch partial samples from the
+  worker that handed them over and continue them. ``SetCap`` → the engine's concurrency cap.
 - ``Drop`` / ``Cancel`` → free payloads / stop samples that ended; ``Checkpoint`` / ``SaveCheckpoint``
   → flush shards / write the checkpoint; ``Snapshot`` → save the trainer's weights for evaluation
-  after the run; ``Stop`` → close the store, copy the shards into the run directory, shut down.
+  after the run (a sharded replica gathers both to its first worker, which writes); ``Stop`` →
+  close the store, copy the shards into the run directory, shut down.
 
 Every wait is bounded: the coordinator's heartbeat must arrive within ``run.timeout_s``.
 """
@@ -82,6 +86,8 @@ class Worker:
         self.rules = rules(self.cfg.reflow.mode)
         self.trainers: tuple[int, ...] = ()
         self.rollouts: tuple[int, ...] = ()
+        self.shard = self.cfg.resources.trainer_shard_size   # s_T: workers per trainer replica
+        self.shard_group: Any = None                          # this rank's replica's workers (s_T > 1)
         self.groups: dict[int, tuple[Any, Any]] = {}       # trainer replicas -> (replica group, sync group)
         self.wsyncs: dict[int, Any] = {}                    # trainer replicas -> weight-sync endpoint
         self.holdings: Holdings | None = None
@@ -109,17 +115,29 @@ class Worker:
         self.trainers, self.rollouts = tuple(msg.trainers), tuple(msg.rollouts)
         init_process_group(self.rt.world, device=self.device, single_host=self.rt.single_host,
                            timeout_s=cfg.run.timeout_s, master_addr=cfg.run.master_addr)
-        # Every rank creates every group, in the same order (torch.distributed requires it): one replica
-        # group and one sync group per placement the pool may take, so that a switch needs no collective.
+        # Every rank creates every group, in the same order (torch.distributed requires it), so that a
+        # switch needs no collective. A trainer replica is a shard group of s_T consecutive ranks, fixed
+        # for the run (the pools are prefixes of whole replicas); per placement the pool may take, one
+        # replica group per shard index (the ranks with that index in every replica: its counterparts)
+        # and one sync group (the first trainer and the rollout workers).
         t0 = time.monotonic()
         deadline = datetime.timedelta(seconds=cfg.run.timeout_s)
-        world = self.rt.size
-        for n_t in msg.placements or (len(msg.trainers),):
-            trainers = list(msg.trainers) if msg.colocated else list(range(n_t))
-            rollouts = list(msg.rollouts) if msg.colocated else list(range(n_t, world))
-            replica_group = dist.new_group(trainers, timeout=deadline) if len(trainers) > 1 else None
+        world, s = self.rt.size, self.shard
+        shard_groups = [dist.new_group(list(range(b, b + s)), timeout=deadline) for b in range(0, world - s + 1, s)] \
+            if s > 1 else []
+        self.shard_group = shard_groups[rank // s] if rank // s < len(shard_groups) else None
+        self._shard_groups = len(shard_groups)
+        for n_t in msg.placements or (len(msg.trainers) // s,):
+            trainers = list(msg.trainers) if msg.colocated else list(range(n_t * s))
+            rollouts = list(msg.rollouts) if msg.colocated else list(range(n_t * s, world))
+            mine = None
+            for j in range(s):
+                ranks = trainers[j::s]
+                group = dist.new_group(ranks, timeout=deadline) if len(ranks) > 1 else None
+                if rank in ranks:
+                    mine = group
             sync_group = None if msg.colocated else dist.new_group(sorted({trainers[0], *rollouts}), timeout=deadline)
-            self.groups[len(trainers) if not msg.colocated else n_t] = (replica_group, sync_group)
+            self.groups[len(trainers) // s if not msg.colocated else n_t] = (mine, sync_group)
         self.group_setup_s = time.monotonic() - t0
 
         from ..policy import load_policy
@@ -134,7 +152,8 @@ class Worker:
             ref, _ = load_policy(cfg.model.path, cfg.model.dtype, self.device)
         replica_group = self._groups()[0]
         self.trainer = Trainer(copy.deepcopy(model), cfg, self.device,
-                               group=replica_group if rank in self.trainers else None, ref_model=ref)
+                               group=replica_group if rank in self.trainers else None, ref_model=ref,
+                               shard_group=self.shard_group)
         if msg.resume_from:
             from ..train.checkpoint import load_checkpoint
             load_checkpoint(msg.resume_from, trainer=self.trainer, restore_rng=False, map_location=self.device)
@@ -146,12 +165,12 @@ class Worker:
         from ..storage.fetch import FetchClient
         self.fetcher = FetchClient(self.rt.data_comm, cfg.run.timeout_s, store=self.store,
                                    poll_min_s=cfg.run.poll_min_s, poll_max_s=cfg.run.poll_max_s)
-        groups = sum(g is not None for pair in self.groups.values() for g in pair)
+        groups = sum(g is not None for pair in self.groups.values() for g in pair) + self._shard_groups
         self.rt.send(Ready(rank, inventory, lost, groups, self.group_setup_s))
 
     def _groups(self) -> tuple[Any, Any]:
-        """(replica group, sync group) of the placement in force."""
-        return self.groups[len(self.trainers)] if not self.colocated else next(iter(self.groups.values()))
+        """(replica group — with sharding, this rank's counterparts — , sync group) of the placement in force."""
+        return self.groups[len(self.trainers) // self.shard] if not self.colocated else next(iter(self.groups.values()))
 
     def _weight_sync(self) -> Any:
         """The weight-sync endpoint of the placement in force (built on first use: it verifies the specs)."""
@@ -332,6 +351,8 @@ class Worker:
         elif self.rank == cmd.src:
             stats = self._weight_sync().send(self.trainer.named_weights())
             nbytes = stats.bytes
+        elif self.rank not in cmd.group:                     # the source's shard group: gather with it
+            self.trainer.join_weight_gather()
         else:
             wsync = self._weight_sync()
             resumed = self.runner.interrupt()
@@ -403,18 +424,26 @@ class Worker:
 
     def _save_checkpoint(self, cmd: SaveCheckpoint) -> None:
         from ..train.checkpoint import save_checkpoint, staging_dir
+        # A sharded replica gathers the model and the optimizer state to its first worker, the writer;
+        # the others take part in the gathers and report that they did.
+        model, trainer_state = self.trainer.checkpoint_state()
+        if model is None:
+            self.rt.send(CheckpointWritten(self.rank, cmd.tag, ""))
+            return
         manifests = {**cmd.manifests, str(self.rank): self._flush_manifest()}
         extra = {"coordinator": cmd.state, "manifests": manifests, "config": to_dict(self.cfg)}
         staged = staging_dir(self.cfg.checkpoint_dir, cmd.step, "partials")
         include = {"partials": staged} if cmd.state.get("partials") is not None and staged.is_dir() else None
-        path = save_checkpoint(self.cfg.checkpoint_dir, cmd.step, model=self.trainer.model, tokenizer=self.tokenizer,
-                               trainer_state=self.trainer.state_dict(include_model=False), extra=extra,
+        path = save_checkpoint(self.cfg.checkpoint_dir, cmd.step, model=model, tokenizer=self.tokenizer,
+                               trainer_state=trainer_state, extra=extra,
                                keep_last=self.cfg.checkpoint.keep_last, include=include)
         self.rt.send(CheckpointWritten(self.rank, cmd.tag, str(path)))
 
     def _snapshot(self, cmd: Snapshot) -> None:
         from ..evaluation import save_snapshot
-        save_snapshot(self.cfg.run_dir, self.trainer.model, cmd.step, cmd.version, cmd.elapsed_s)
+        model = self.trainer.full_model()             # sharded: gathered; None on all but the first worker
+        if model is not None:
+            save_snapshot(self.cfg.run_dir, model, cmd.step, cmd.version, cmd.elapsed_s)
 
     def _stop(self, cmd: Stop) -> None:
         self.stopped = True

@@ -424,6 +424,7 @@ class Simulation:
             w: Worker(w, self, trainer=w in trainers, rollout=w in rollouts) for w in range(place.world)}
         self.samples: dict[int, Request] = {}          # finished samples whose payload is held
         self.collectives: dict[tuple, Collective] = {}
+        self.collectives_done: set[tuple] = set()        # syncs whose broadcast ended
         self.records: list = []                         # StepRecords, in order
         self.train_seconds: list[float] = []            # slowest replica's compute time per step
         self.sync_seconds: list[float] = []
@@ -690,13 +691,20 @@ class Simulation:
             self.push(now + self.costs.colocated_sync_time(), _DONE, w.wid, ("sync", cmd, self.costs.colocated_sync_time()))
             return
         key = ("sync", cmd.version)
+        if w.wid not in cmd.group and key in self.collectives_done and key not in self.collectives:
+            # one of the source's shard group, arriving after the broadcast ended
+            self.push(now, _DONE, w.wid, ("sync", cmd, 0.0))
+            return
         col = self.collectives.get(key)
         if col is None:
             col = self.collectives[key] = Collective(frozenset(cmd.group))
+        # A worker outside the broadcast group is one of the source's shard group, gathering the weights
+        # with it: it ends with the broadcast and does not count towards it.
         col.arrived[w.wid] = (cmd, now, 0.0)
-        if len(col.arrived) < len(col.members):
+        if not col.members <= set(col.arrived):
             return
         del self.collectives[key]
+        self.collectives_done.add(key)
         gpus = sum(self.workers[m].gpus for m in col.members)
         duration = self.costs.sync_time(gpus)
         self.sync_seconds.append(duration)
