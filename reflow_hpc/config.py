@@ -222,6 +222,13 @@ class RolloutConfig:
     max_prefill_tokens: int = opt(4096, "Torch engine: most context tokens prefilled in one engine step (bounds the "
                                         "decode stall when many requests are admitted at once; one longer request "
                                         "is still admitted alone).", ge=1)
+    vllm_kv_cache_gb: float = opt(0.0, "vllm engine: memory of its KV cache in GiB (vLLM's kv_cache_memory_bytes; on "
+                                       "CPU the KV space). 0 = sized to rollout.kv_budget_tokens (rounded up to whole "
+                                       "blocks); > 0 = as many blocks as fit, and stats report that capacity.", ge=0)
+    vllm_gpu_memory_utilization: float = opt(0.9, "vllm engine on GPU: fraction of the device's memory vLLM may use "
+                                                  "(weights, activations, KV cache).", gt=0, le=1)
+    vllm_enforce_eager: bool = opt(True, "vllm engine: run the model eagerly (no torch.compile, no CUDA graphs): "
+                                         "starts in seconds; false trades a longer start for faster decoding on GPU.")
 
 
 @dataclass

@@ -1,14 +1,18 @@
-"""Generation throughput of the embedded torch engine against transformers ``generate``.
+"""Generation throughput of the rollout engines (torch, vLLM) and of transformers ``generate``.
 
-    python tools/bench_engine.py [--requests 256] [--concurrency 32] [--threads 1] [--model DIR] [--json]
+    python tools/bench_engine.py [--engines torch,generate] [--requests 256] [--concurrency 32]
+                                 [--threads 1] [--model DIR] [--json]
+    .venv-vllm/bin/python tools/bench_engine.py --engines torch,vllm      # vLLM: from its venv
 
-Both engines run the same model on the same workload in the same process: ``--requests`` requests
-with random prompts and long-tailed response lengths (log-normal, capped), enforced through each
-request's ``max_new_tokens`` with no stop ids, all submitted at t = 0. The torch engine runs them
-with continuous batching at ``--concurrency``; ``generate`` runs static batches of the same size
-in submission order, each batch generating until its longest member is done. Only each request's
-own tokens count as useful. Reported per engine: useful tokens/s, time to first token and request
-latency (p50/p99, from t = 0), and the ratio of the two throughputs.
+Every engine named by ``--engines`` (``torch``, ``vllm``, ``generate``) runs the same model on the
+same workload in the same process: ``--requests`` requests with random prompts and long-tailed
+response lengths (log-normal, capped), enforced through each request's ``max_new_tokens`` with no
+stop ids, all submitted at t = 0. The torch and vLLM engines run them with continuous batching at
+``--concurrency`` (same KV budget and context limit); ``generate`` runs static batches of the same
+size in submission order, each batch generating until its longest member is done. Only each
+request's own tokens count as useful. Reported per engine: useful tokens/s, time to first token
+and request latency (p50/p99, from t = 0), and each throughput as a ratio of the first engine's.
+vLLM runs last: its CPU worker pins torch's thread count for the rest of the process.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -45,12 +51,11 @@ def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def run_engine(model, prompts, lengths, concurrency: int, kv_budget: int, max_model_len: int) -> dict:
+def run_engine(engine, prompts, lengths) -> dict:
+    """Submit every request at t = 0 to an (empty) engine and step it until all are done."""
     from reflow_hpc.rollout.engine import Request, SamplingParams
-    from reflow_hpc.rollout.torch_engine import TorchEngine
-    engine = TorchEngine(model, max_concurrency=concurrency, kv_budget_tokens=kv_budget,
-                         max_model_len=max_model_len, seed=0)
     first, finish, produced = {}, {}, 0
+    before = engine.stats()
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         engine.add(Request(i, p, SamplingParams(temperature=1.0, max_new_tokens=n)))
@@ -67,7 +72,25 @@ def run_engine(model, prompts, lengths, concurrency: int, kv_budget: int, max_mo
     assert produced == sum(lengths), (produced, sum(lengths))
     stats = engine.stats()
     return {"wall_s": wall, "tokens_per_s": produced / wall, "ttft": list(first.values()),
-            "latency": list(finish.values()), "preemptions": stats.preemptions}
+            "latency": list(finish.values()), "preemptions": stats.preemptions - before.preemptions}
+
+
+def build_engines(names: list[str], model, concurrency: int, kv_budget: int, max_model_len: int, model_dir: str,
+                  eager: bool) -> dict:
+    """The continuous-batching engines named, each over its own copy of the model's weights."""
+    import copy
+    engines = {}
+    if "torch" in names:
+        from reflow_hpc.rollout.torch_engine import TorchEngine
+        engines["torch"] = TorchEngine(copy.deepcopy(model), max_concurrency=concurrency, kv_budget_tokens=kv_budget,
+                                       max_model_len=max_model_len, seed=0)
+    if "vllm" in names:
+        from reflow_hpc.rollout.vllm_engine import VllmEngine
+        t0 = time.perf_counter()
+        engines["vllm"] = VllmEngine(model_dir, max_concurrency=concurrency, kv_budget_tokens=kv_budget,
+                                     max_model_len=max_model_len, seed=0, dtype="float32", enforce_eager=eager)
+        engines["vllm"].start_s = time.perf_counter() - t0
+    return engines
 
 
 class _FirstCall:
@@ -117,8 +140,14 @@ def summary(r: dict) -> dict:
     return out
 
 
+LABELS = {"torch": "torch engine (continuous)", "vllm": "vllm engine (continuous)",
+          "generate": "transformers generate (static)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="torch,generate",
+                    help="comma-separated, first is the ratios' base: torch, vllm, generate")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=32, help="engine slots = generate batch size")
     ap.add_argument("--prompt-min", type=int, default=16)
@@ -129,48 +158,74 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-budget", type=int, default=0, help="engine KV budget in tokens (0 = no preemption)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--model", default="", help="Hugging Face model directory (default: a tiny Qwen3 built here)")
+    ap.add_argument("--vllm-compile", action="store_true", help="vLLM with torch.compile (default: eager)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     args = ap.parse_args(argv)
+    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LABELS]
+    if unknown or not names or len(set(names)) != len(names):
+        ap.error(f"--engines {args.engines!r}: a list of distinct names among {', '.join(LABELS)}")
+    names.sort(key=lambda n: n == "vllm")     # vLLM last (thread pinning), the base stays first otherwise
+    base = [n.strip() for n in args.engines.split(",") if n.strip()][0]
 
+    # vLLM keeps torch at one thread unless OMP_NUM_THREADS says otherwise: the same count for all.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
+    tmp = tempfile.TemporaryDirectory(prefix="bench_engine_")
     if args.model:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        model_dir = args.model
     else:
         model = tiny_model(vocab=128, seed=args.seed)
+        model_dir = tmp.name
+        model.save_pretrained(model_dir)     # vLLM loads from a directory; the same weights
     vocab = model.config.vocab_size
     params = sum(p.numel() for p in model.parameters())
     prompts, lengths = workload(args.requests, vocab, (args.prompt_min, args.prompt_max), args.median_len,
                                 args.sigma, args.max_len, args.seed)
     max_model_len = args.prompt_max + args.max_len
     kv_budget = args.kv_budget or args.concurrency * max_model_len
+    engines = build_engines(names, model, args.concurrency, kv_budget, max_model_len, model_dir,
+                            eager=not args.vllm_compile)
 
-    # Warm-up of both paths (allocator, kernels) on a few requests, untimed.
+    results = {}
     with torch.inference_mode():
-        run_engine(model, prompts[:4], [4] * 4, 4, kv_budget, max_model_len)
-        run_generate(model, prompts[:4], [4] * 4, 4)
-        engine = run_engine(model, prompts, lengths, args.concurrency, kv_budget, max_model_len)
-        generate = run_generate(model, prompts, lengths, args.concurrency)
+        for name in names:
+            # Warm-up (allocator, kernels) on a few requests, untimed; then the timed run.
+            if name == "generate":
+                run_generate(model, prompts[:4], [4] * 4, 4)
+                results[name] = run_generate(model, prompts, lengths, args.concurrency)
+            else:
+                run_engine(engines[name], prompts[:4], [4] * 4)
+                results[name] = run_engine(engines[name], prompts, lengths)
+    tmp.cleanup()
 
-    rows = {"torch engine (continuous)": summary(engine), "transformers generate (static)": summary(generate)}
-    speedup = engine["tokens_per_s"] / generate["tokens_per_s"]
+    rows = {name: summary(results[name]) for name in names}
+    ratios = {name: results[name]["tokens_per_s"] / results[base]["tokens_per_s"] for name in names}
     print(f"model: {params / 1e6:.2f}M parameters, vocab {vocab}; threads {args.threads}; "
           f"{args.requests} requests, concurrency/batch {args.concurrency}; response lengths "
           f"p50 {int(np.median(lengths))} p99 {int(np.percentile(lengths, 99))} max {max(lengths)}; "
           f"useful tokens {sum(lengths)}")
-    head = f"{'engine':32} {'tokens/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'lat p50':>8} {'lat p99':>8} {'wall s':>8}"
+    if "vllm" in engines:
+        print(f"vllm engine: started in {engines['vllm'].start_s:.1f} s "
+              f"({'torch.compile' if args.vllm_compile else 'eager'})")
+    head = (f"{'engine':32} {'tokens/s':>10} {'ratio':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'lat p50':>8} "
+            f"{'lat p99':>8} {'wall s':>8} {'preempt':>8}")
     print(head)
     print("-" * len(head))
-    for name, r in rows.items():
-        print(f"{name:32} {r['tokens_per_s']:>10.1f} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
-              f"{r['latency_p50_s']:>8.3f} {r['latency_p99_s']:>8.3f} {r['wall_s']:>8.2f}")
-    print(f"throughput ratio torch engine / generate: {speedup:.2f}x (engine preemptions: {engine['preemptions']})")
+    for name in [n.strip() for n in args.engines.split(",") if n.strip()]:
+        r = rows[name]
+        print(f"{LABELS[name]:32} {r['tokens_per_s']:>10.1f} {ratios[name]:>6.2f}x {r['ttft_p50_s']:>9.3f} "
+              f"{r['ttft_p99_s']:>9.3f} {r['latency_p50_s']:>8.3f} {r['latency_p99_s']:>8.3f} {r['wall_s']:>8.2f} "
+              f"{r.get('preemptions', '-'):>8}")
+    print(f"ratios are tokens/s over the {LABELS[base]}'s")
     if args.json:
-        print(json.dumps({"bench": "engine", "params": params, "threads": args.threads, "requests": args.requests,
-                          "concurrency": args.concurrency, "useful_tokens": int(sum(lengths)),
-                          "torch_engine": rows["torch engine (continuous)"],
-                          "hf_generate": rows["transformers generate (static)"], "speedup": round(speedup, 3)}))
+        out = {"bench": "engine", "params": params, "threads": args.threads, "requests": args.requests,
+               "concurrency": args.concurrency, "useful_tokens": int(sum(lengths)), "base": base}
+        out.update({name: dict(rows[name], ratio=round(ratios[name], 3)) for name in names})
+        print(json.dumps(out))
     return 0
 
 

@@ -1,6 +1,12 @@
-"""Building a rollout engine and its default sampling parameters from the ``[rollout]`` section."""
+"""Building a rollout engine and its default sampling parameters from the ``[rollout]`` section.
+
+``rollout.engine = "torch"`` builds the embedded engine; ``"vllm"`` builds vLLM's, which needs vLLM
+installed in the running Python (``tools/vllm_env.sh`` builds a CPU one) and ``rollout.top_p = 1``.
+"""
 
 from __future__ import annotations
+
+import importlib.util
 
 from ..config import Config, ConfigError, RolloutConfig, validator
 from .engine import Engine, LimitError, SamplingParams, check_limits
@@ -14,6 +20,9 @@ def _check_rollout(cfg: Config) -> None:
                      max_model_len=r.max_model_len, max_prefill_tokens=r.max_prefill_tokens)
     except LimitError as e:
         raise ConfigError(e.key, e.value, e.why) from None
+    if r.engine == "vllm" and r.top_p != 1:
+        raise ConfigError("rollout.top_p", r.top_p, "the vllm engine needs 1: vLLM's log-probs are taken after top-p "
+                                                    "truncation, which the trainer does not recompute")
 
 
 def build_engine(model, cfg: RolloutConfig, *, device: str = "cpu", seed: int = 0, version: int = 0) -> Engine:
@@ -25,7 +34,13 @@ def build_engine(model, cfg: RolloutConfig, *, device: str = "cpu", seed: int = 
     if cfg.engine == "torch":
         from .torch_engine import TorchEngine
         return TorchEngine.from_config(model, cfg, device=device, seed=seed, version=version)
-    raise ConfigError("rollout.engine", cfg.engine, "this factory builds the torch engine only")
+    if cfg.engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine", "vllm", "vLLM is not installed in this Python; build its environment "
+                                                      "with tools/vllm_env.sh and run from .venv-vllm/bin/python")
+        from .vllm_engine import VllmEngine
+        return VllmEngine.from_config(model, cfg, device=str(device), seed=seed, version=version)
+    raise ConfigError("rollout.engine", cfg.engine, "must be torch or vllm")
 
 
 def sampling_params(cfg: RolloutConfig, stop_ids: tuple[int, ...] = (), seed: int | None = None) -> SamplingParams:
