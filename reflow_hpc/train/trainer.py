@@ -55,7 +55,8 @@ Rules it implements (DESIGN §7; the loss itself is :mod:`reflow_hpc.train.loss`
 Metrics of a step: those of :func:`reflow_hpc.train.loss.loss_metrics` plus ``samples``,
 ``replay_samples``, ``tokens`` (prompt + response, all trainer ranks), ``loss_tokens``, ``lr`` (of this
 update), ``grad_norm`` (before clipping), ``nonfinite_grad``, ``step`` (updates done), ``seconds``,
-``forward_backward_seconds``, ``allreduce_seconds``, ``optimizer_seconds``.
+``forward_backward_seconds`` (sharded: with FSDP's all-gathers and reduce-scatters),
+``allreduce_seconds`` (across replicas, and the metric sums), ``optimizer_seconds``.
 """
 
 from __future__ import annotations
