@@ -638,14 +638,23 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     sch = cfg.scheduler
     for item in sch.placement_schedule:
         step, _, n = item.partition(":")
-        if not (step.strip().isdigit() and n.strip().isdigit() and 1 <= int(n) < r.workers):
+        if not (step.strip().isdigit() and n.strip().isdigit() and 1 <= int(n)
+                and int(n) * r.trainer_shard_size < r.workers):
             raise ConfigError("scheduler.placement_schedule", item,
-                              f"expected \"STEP:TRAINER_REPLICAS\" with 1 ≤ replicas < resources.workers ({r.workers})")
+                              f"expected \"STEP:TRAINER_REPLICAS\" with 1 ≤ replicas and replicas · "
+                              f"resources.trainer_shard_size ({r.trainer_shard_size}) < resources.workers ({r.workers})")
     if sch.util_low > sch.util_high:
         raise ConfigError("scheduler.util_low", sch.util_low, f"must be ≤ scheduler.util_high ({sch.util_high})")
-    if cfg.reflow.mode == "reflow" and sch.elastic and sch.min_trainers + sch.min_rollouts > r.workers:
+    if cfg.reflow.mode == "reflow" and sch.elastic and (
+            sch.min_trainers * r.trainer_shard_size + sch.min_rollouts * r.rollout_tp_size > r.workers):
         raise ConfigError("scheduler.min_trainers", sch.min_trainers,
-                          f"scheduler.min_trainers + scheduler.min_rollouts must be ≤ resources.workers ({r.workers})")
+                          f"scheduler.min_trainers · trainer_shard_size + scheduler.min_rollouts · rollout_tp_size "
+                          f"must be ≤ resources.workers ({r.workers}): no placement of the pool is feasible")
+    from .core.modes import rules as mode_rules
+    if mode_rules(cfg.reflow.mode).colocated and r.workers % r.trainer_shard_size:
+        raise ConfigError("resources.trainer_shard_size", r.trainer_shard_size,
+                          f"mode {cfg.reflow.mode} trains on every worker: resources.workers ({r.workers}) must be a "
+                          f"multiple of it (whole replicas)")
     if cfg.reflow.mode != "sync" and (r.trainer_replicas == 0 or r.rollout_instances == 0):
         raise ConfigError("resources.trainer_replicas" if r.trainer_replicas == 0 else "resources.rollout_instances",
                           0, f"mode {cfg.reflow.mode} needs at least one trainer replica and one rollout instance")

@@ -38,6 +38,12 @@ MALFORMED = [
      "resources.trainer_replicas"),
     ("[resources]\nworkers = 4\ntrainer_replicas = 2\nrollout_instances = 1\nrollout_tp_size = 2",
      "resources.rollout_tp_size"),                                            # one engine per worker on this build
+    ("[reflow]\nmode = \"sync\"\nsigma = 0.0\n[resources]\nworkers = 3\ntrainer_replicas = 1\n"
+     "trainer_shard_size = 2\nrollout_instances = 1", "resources.trainer_shard_size"),   # not whole replicas
+    ("[resources]\nworkers = 6\ntrainer_replicas = 1\ntrainer_shard_size = 2\nrollout_instances = 4\n"
+     "[scheduler]\nplacement_schedule = [\"3:3\"]", "scheduler.placement_schedule"),    # 3·2 = all workers
+    ("[resources]\nworkers = 6\ntrainer_replicas = 1\ntrainer_shard_size = 2\nrollout_instances = 4\n"
+     "[scheduler]\nmin_trainers = 2\nmin_rollouts = 3", "scheduler.min_trainers"),       # 2·2 + 3 > 6
 ]
 
 
