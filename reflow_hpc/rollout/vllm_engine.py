@@ -4,7 +4,10 @@ tests (``tests/engine_conformance.py``). Rules it implements:
 
 - **In process.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is forced before vLLM is imported, so the
   engine core and its one worker run in the calling process: nothing forks after MPI init. One
-  engine per process (vLLM keeps its parallel groups in globals). vLLM's CPU worker replaces
+  engine per process (vLLM keeps its parallel groups in globals). Where torch.distributed is
+  initialised (a job's workers), vLLM builds its groups over that world with collective calls, so
+  every rank builds its engine at the same point (workers do, at setup); vLLM's teardown at exit is
+  detached, as it would destroy the job's default group. vLLM's CPU worker replaces
   ``torch.set_num_threads`` with a no-op and seeds torch's global RNG when it starts.
 - **Model.** Built from the policy's Hugging Face directory with tokenizer init skipped (requests
   are token ids, ``TokensPrompt``); :meth:`VllmEngine.from_config` then loads the weights of the
@@ -212,6 +215,11 @@ class VllmEngine:
         self._tally = _Tally()
         self._llm = LLMEngine.from_vllm_config(config, stat_loggers=[_stat_logger(self._tally)],
                                                disable_log_stats=False)
+        # vLLM's in-process teardown (run at exit) destroys torch.distributed's default group, which
+        # is the job's, and raises when the job has already destroyed it: process exit frees the rest.
+        finalizer = getattr(self._llm.engine_core, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
         self.block_size = block
         self.kv_tokens_budget = (self._llm.vllm_config.cache_config.num_gpu_blocks - 1) * block
 
