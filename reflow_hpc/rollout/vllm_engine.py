@@ -37,7 +37,8 @@ tests (``tests/engine_conformance.py``). Rules it implements:
   layers that share a tied tensor, and resets the prefix cache: every request re-prefills under the
   new weights and its later tokens carry the new version. Tensors that vLLM fuses into one layer
   (q/k/v, gate/up) must come in the same call; a layer whose tensors are incomplete is left as it
-  was and the call then raises.
+  was and the call then raises. A tied name (``lm_head.weight`` beside tied embeddings) is
+  skipped: vLLM shares the embedding's tensor, which the trainer's weight sync sends.
 - **Partial rollouts.** ``abort_all`` returns every unfinished request with its tokens, log-probs
   and versions (finish reason "abort"; ones that already ended keep theirs) and aborts them in
   vLLM, leaving the engine empty.
@@ -56,7 +57,7 @@ import logging
 import math
 import os
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -107,7 +108,6 @@ class _Tally:
     kv_usage: float = 0.0
     preemptions: int = 0
     generated: int = 0
-    loggers: list = field(default_factory=list)
 
 
 def _stat_logger(tally: _Tally) -> type:
@@ -115,7 +115,7 @@ def _stat_logger(tally: _Tally) -> type:
 
     class _Logger(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0):
-            tally.loggers.append(self)
+            pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
             if scheduler_stats is not None:
