@@ -23,7 +23,7 @@ TIMEOUT_S = 900      # measured ≈ 1–2 min on 2 cores; a hung engine fails th
 
 def test_vllm_conformance_in_its_own_env():
     if not VENV_PYTHON.exists():
-        why = f"{VENV_PYTHON.relative_to(ROOT)} is missing: run tools/vllm_env.sh to build the vLLM environment"
+        why = f"{VENV_PYTHON} is missing: run tools/vllm_env.sh to build the vLLM environment"
         if os.environ.get("REFLOW_REQUIRE_VLLM") == "1":
             pytest.fail(why)
         pytest.skip(why)
