@@ -102,6 +102,37 @@ def check_limits(*, max_concurrency: int, kv_budget_tokens: int, max_model_len: 
     return max_model_len
 
 
+def checked_request(request: Request, *, vocab_size: int, max_model_len: int) -> Request:
+    """The checks every engine makes of a request (temperature, budget, prompt, prefix arrays, token
+    range, length), as one-line errors naming the request; returns it with int32 prompt and prefix,
+    float32 prefix log-probs and int32 prefix versions (zeros and -1 where the request had none)."""
+    rid, sp = int(request.request_id), request.sampling
+    if not sp.temperature >= 0:
+        raise ValueError(f"request {rid}: temperature = {sp.temperature}: must be ≥ 0 (0 = greedy)")
+    if sp.max_new_tokens < 1:
+        raise ValueError(f"request {rid}: max_new_tokens = {sp.max_new_tokens}: must be ≥ 1")
+    prompt = np.asarray(request.prompt)
+    if prompt.ndim != 1 or len(prompt) == 0:
+        raise ValueError(f"request {rid}: prompt must be a non-empty 1-D array of token ids, "
+                         f"got shape {prompt.shape}")
+    prefix = np.asarray(request.response_prefix if request.response_prefix is not None else [], dtype=np.int64)
+    n = len(prefix)
+    lp = np.zeros(n, np.float32) if request.prefix_logprobs is None else np.asarray(request.prefix_logprobs)
+    ver = np.full(n, -1, np.int32) if request.prefix_versions is None else np.asarray(request.prefix_versions)
+    if lp.shape != (n,) or ver.shape != (n,):
+        raise ValueError(f"request {rid}: response_prefix has {n} tokens but prefix_logprobs has "
+                         f"{lp.shape} and prefix_versions {ver.shape}")
+    tokens = np.concatenate([prompt.astype(np.int64), prefix])
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ValueError(f"request {rid}: token ids must be in [0, {vocab_size}), "
+                         f"got [{tokens.min()}, {tokens.max()}]")
+    if len(tokens) > max_model_len:
+        raise ValueError(f"request {rid}: prompt + prefix = {len(tokens)} tokens exceeds "
+                         f"rollout.max_model_len ({max_model_len})")
+    return Request(rid, prompt.astype(np.int32), sp, prefix.astype(np.int32), lp.astype(np.float32),
+                   ver.astype(np.int32))
+
+
 @runtime_checkable
 class Engine(Protocol):
     version: int

@@ -53,7 +53,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-from .engine import Completion, EngineStats, Request, SamplingParams, check_limits
+from .engine import Completion, EngineStats, Request, SamplingParams, check_limits, checked_request
 from .kv_cache import SlotKVCache
 from .qwen3_forward import Qwen3Weights, RopeTable, check_supported, decode, prefill
 from .sampling import sample, stream_key, uniforms
@@ -250,37 +250,16 @@ class TorchEngine:
         rid, sp = int(request.request_id), request.sampling
         if rid in self._ids:
             raise ValueError(f"request {rid}: a request with this id is already in the engine")
-        if not sp.temperature >= 0:
-            raise ValueError(f"request {rid}: temperature = {sp.temperature}: must be ≥ 0 (0 = greedy)")
         if not 0 < sp.top_p <= 1:
             raise ValueError(f"request {rid}: top_p = {sp.top_p}: must be in (0, 1]")
-        if sp.max_new_tokens < 1:
-            raise ValueError(f"request {rid}: max_new_tokens = {sp.max_new_tokens}: must be ≥ 1")
-        prompt = np.asarray(request.prompt)
-        if prompt.ndim != 1 or len(prompt) == 0:
-            raise ValueError(f"request {rid}: prompt must be a non-empty 1-D array of token ids, "
-                             f"got shape {prompt.shape}")
-        prefix = np.asarray(request.response_prefix if request.response_prefix is not None else [], dtype=np.int64)
-        n = len(prefix)
-        lp = np.zeros(n, np.float32) if request.prefix_logprobs is None else np.asarray(request.prefix_logprobs)
-        ver = np.full(n, -1, np.int32) if request.prefix_versions is None else np.asarray(request.prefix_versions)
-        if lp.shape != (n,) or ver.shape != (n,):
-            raise ValueError(f"request {rid}: response_prefix has {n} tokens but prefix_logprobs has "
-                             f"{lp.shape} and prefix_versions {ver.shape}")
-        tokens = np.concatenate([prompt.astype(np.int64), prefix])
-        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise ValueError(f"request {rid}: token ids must be in [0, {self.vocab_size}), "
-                             f"got [{tokens.min()}, {tokens.max()}]")
-        if len(tokens) > self.max_model_len:
-            raise ValueError(f"request {rid}: prompt + prefix = {len(tokens)} tokens exceeds "
-                             f"rollout.max_model_len ({self.max_model_len})")
+        req = checked_request(request, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        p = len(req.prompt)
         key = stream_key(self.seed, rid) if sp.seed is None else stream_key(sp.seed)
         return _Sequence(
-            request_id=rid, sampling=sp, prompt_len=len(prompt),
-            limit=min(len(prompt) + sp.max_new_tokens, self.max_model_len), key=key,
-            tokens=tokens.astype(np.int32),
-            logprobs=np.concatenate([np.zeros(len(prompt), np.float32), lp.astype(np.float32)]),
-            versions=np.concatenate([np.full(len(prompt), -1, np.int32), ver.astype(np.int32)]))
+            request_id=rid, sampling=sp, prompt_len=p, limit=min(p + sp.max_new_tokens, self.max_model_len),
+            key=key, tokens=np.concatenate([req.prompt, req.response_prefix]),
+            logprobs=np.concatenate([np.zeros(p, np.float32), req.prefix_logprobs]),
+            versions=np.concatenate([np.full(p, -1, np.int32), req.prefix_versions]))
 
     @staticmethod
     def _completion_of(seq: _Sequence, tokens, logprobs, versions, reason: str) -> Completion:

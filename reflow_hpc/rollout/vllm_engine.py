@@ -63,7 +63,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from .engine import Completion, EngineStats, Request, SamplingParams, check_limits
+from .engine import Completion, EngineStats, Request, SamplingParams, check_limits, checked_request
 from .sampling import stream_key
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # before vllm is imported: the engine core stays in process
@@ -394,33 +394,10 @@ class VllmEngine:
         rid, sp = int(request.request_id), request.sampling
         if rid in self._ids:
             raise ValueError(f"request {rid}: a request with this id is already in the engine")
-        if not sp.temperature >= 0:
-            raise ValueError(f"request {rid}: temperature = {sp.temperature}: must be ≥ 0 (0 = greedy)")
         if sp.top_p != 1:
             raise ValueError(f"request {rid}: top_p = {sp.top_p}: the vllm engine needs 1 (vLLM's log-probs are "
                              f"taken after top-p truncation, which the trainer does not recompute)")
-        if sp.max_new_tokens < 1:
-            raise ValueError(f"request {rid}: max_new_tokens = {sp.max_new_tokens}: must be ≥ 1")
-        prompt = np.asarray(request.prompt)
-        if prompt.ndim != 1 or len(prompt) == 0:
-            raise ValueError(f"request {rid}: prompt must be a non-empty 1-D array of token ids, "
-                             f"got shape {prompt.shape}")
-        prefix = np.asarray(request.response_prefix if request.response_prefix is not None else [], dtype=np.int64)
-        n = len(prefix)
-        lp = np.zeros(n, np.float32) if request.prefix_logprobs is None else np.asarray(request.prefix_logprobs)
-        ver = np.full(n, -1, np.int32) if request.prefix_versions is None else np.asarray(request.prefix_versions)
-        if lp.shape != (n,) or ver.shape != (n,):
-            raise ValueError(f"request {rid}: response_prefix has {n} tokens but prefix_logprobs has "
-                             f"{lp.shape} and prefix_versions {ver.shape}")
-        tokens = np.concatenate([prompt.astype(np.int64), prefix])
-        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise ValueError(f"request {rid}: token ids must be in [0, {self.vocab_size}), "
-                             f"got [{tokens.min()}, {tokens.max()}]")
-        if len(tokens) > self.max_model_len:
-            raise ValueError(f"request {rid}: prompt + prefix = {len(tokens)} tokens exceeds "
-                             f"rollout.max_model_len ({self.max_model_len})")
-        return Request(rid, prompt.astype(np.int32), sp, prefix.astype(np.int32), lp.astype(np.float32),
-                       ver.astype(np.int32))
+        return checked_request(request, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
 
     def _requeue_live(self) -> None:
         """Every request inside vLLM back to the head of the queue, as a continuation (re-prefilled later)."""
