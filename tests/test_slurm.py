@@ -17,6 +17,21 @@ pytestmark = pytest.mark.slurm
 CFG = str(ROOT / "configs" / "cpu_tiny.toml")
 
 
+def _queued() -> set[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    return set(out.split())
+
+
+@pytest.fixture(autouse=True)
+def _cancel_leftover_jobs(slurm_conf):
+    """A test that fails part-way leaves no job behind to hold the nodes for the tests after it."""
+    before = _queued()
+    yield
+    left = sorted(_queued() - before)
+    if left:
+        subprocess.run(["scancel", *left], capture_output=True)
+
+
 def _wait_job(job_id: str, timeout: float = 240) -> str:
     deadline = time.monotonic() + timeout
     state = ""

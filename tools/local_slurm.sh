@@ -124,6 +124,11 @@ up() {
     fi
   fi
   install_packages
+  if ! alive "$ROOT/slurmctld.pid"; then
+    # A fresh controller starts from empty state: a job recovered from an earlier cluster (a test
+    # killed mid-run, a requeued job) would hold the nodes allocated and the next start would fail.
+    rm -rf "$ROOT/state" "$ROOT/spool"
+  fi
   mkdir -p "$ROOT"/{etc,state,spool,log,tmp}
   start_munge
   write_conf
