@@ -20,7 +20,9 @@ def test_switches_both_ways_keep_replicas_identical_and_lose_nothing(tmp_path, p
     run_dir, metrics, summary, r = run(
         tmp_path, policy_dir, "reflow.mode=reflow", f"trainer.steps={steps}", "trainer.batch_size=16",
         "algorithm.group_size=4", "rollout.max_concurrency=16", "reflow.sync_every=1", "reflow.delta=2",
-        "reflow.b_max=64", "rollout.max_new_tokens=96", "scheduler.elastic=false",
+        # B_max well above what two steps consume, so that generation never pauses on a full buffer
+        # and a worker leaving rollout always has samples in flight to hand over.
+        "reflow.b_max=256", "rollout.max_new_tokens=96", "scheduler.elastic=false",
         f"scheduler.placement_schedule={SCHEDULE}",
         # Replicas compare parameters and optimizer state after every step: a joined replica that is not
         # an exact copy ends the run.
