@@ -13,6 +13,7 @@ A bad file or override ends in exactly one line,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -499,12 +500,18 @@ def keys(section_cls: type) -> Iterator[dataclasses.Field]:
     yield from dataclasses.fields(section_cls)
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict:
+    # Resolving string annotations is slow, and every load (each simulated run, each --set) asks again.
+    return typing.get_type_hints(cls)
+
+
 def _resolve(cls: type, name: str) -> type:
-    return typing.get_type_hints(cls)[name]
+    return _hints(cls)[name]
 
 
 def _key_type(section_cls: type, name: str) -> type:
-    return typing.get_type_hints(section_cls)[name]
+    return _hints(section_cls)[name]
 
 
 # --------------------------------------------------------------------------------------------
