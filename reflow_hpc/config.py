@@ -268,8 +268,9 @@ class ResourcesConfig:
     trainer_shard_size: int = opt(1, "s_T: workers per trainer replica: its parameters, gradients and optimizer "
                                      "state are sharded over them (FSDP2); 1 = full replicas.", ge=1)
     rollout_instances: int = opt(2, "n_R: rollout engine instances.", ge=0)
-    rollout_tp_size: int = opt(1, "s_R: workers per rollout instance (tensor parallel; only 1 until a tensor-"
-                                  "parallel engine exists).", ge=1)
+    rollout_tp_size: int = opt(1, "s_R: workers per rollout instance (tensor parallel). Only 1 in a job: the "
+                                  "vllm engine builds larger instances, which the job's loop does not drive yet; "
+                                  "the simulator takes any size.", ge=1)
     device: str = opt("auto", "Device of every worker: auto = cuda when available, else cpu.",
                       choices=("auto", "cpu", "cuda"))
     cpu_threads: int = opt(1, "torch intra-op threads per worker on CPU.", ge=1)
@@ -637,11 +638,12 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
                           f"n_T·s_T + n_R·s_R = {r.trainer_replicas}·{r.trainer_shard_size} + "
                           f"{r.rollout_instances}·{r.rollout_tp_size} = {used} must equal workers")
     if r.rollout_tp_size > 1:
-        # A tensor-parallel instance spans several ranks that must step one engine in lockstep; the embedded
-        # torch engine runs one model per rank, and the vLLM backend runs one engine per rank on this build.
-        raise ConfigError("resources.rollout_tp_size", r.rollout_tp_size,
-                          f"rollout.engine = {cfg.rollout.engine!r} runs one engine per worker: only 1 is supported "
-                          "(a larger value would silently mean more full engines)")
+        # A tensor-parallel instance spans several ranks that make the same engine calls in the same order.
+        # The embedded torch engine runs one model per rank; the vLLM engine builds such instances
+        # (VllmEngine tp), but the job's loop does not yet drive an instance's other ranks from its first.
+        why = ("the torch engine runs one model per rank: only 1" if cfg.rollout.engine == "torch" else
+               "the vllm engine builds tensor-parallel instances, but the job's loop does not drive them yet: only 1")
+        raise ConfigError("resources.rollout_tp_size", r.rollout_tp_size, why)
     sch = cfg.scheduler
     for item in sch.placement_schedule:
         step, _, n = item.partition(":")

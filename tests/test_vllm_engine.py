@@ -180,33 +180,65 @@ def test_torch_threads_after_the_engine_started(engine):
     assert torch.get_num_threads() >= 1
 
 
-def test_every_rank_of_a_job_builds_its_engine(tmp_path):
-    """Two ranks of a torch.distributed job each build an engine after the job's world exists, as
-    rollout workers do at setup (vLLM's group set-up is collective over that world), generate, and
-    the job's world still works afterwards."""
+def _ranks(script: str, args: list[list[str]], timeout_s: float) -> list[dict]:
+    """Start one process per argument list running tests/``script`` and return each one's RESULT."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    policy = tmp_path / "policy"
-    conf.tiny_policy(policy)
-    script = Path(__file__).with_name("vllm_ranks.py")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(tmp_path / "pg"), str(policy)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    path = Path(__file__).with_name(script)
+    procs = [subprocess.Popen([sys.executable, str(path), *a], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for a in args]
     results = []
-    for p in procs:
+    for i, p in enumerate(procs):
         try:
-            out, _ = p.communicate(timeout=300)
+            out, _ = p.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError("a rank did not finish in 300 s")
+            raise AssertionError(f"rank {i} of {script} did not finish in {timeout_s:.0f} s")
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert p.returncode == 0 and lines, out[-3000:]
+        assert p.returncode == 0 and lines, f"rank {i} of {script}:\n" + out[-3000:]
         results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    return results
+
+
+def test_every_rank_of_a_job_builds_its_engine(tmp_path):
+    """Two ranks of a torch.distributed job each build an engine after the job's world exists, as
+    rollout workers do at setup (vLLM's group set-up is collective over that world), generate, and
+    the job's world still works afterwards."""
+    policy = tmp_path / "policy"
+    conf.tiny_policy(policy)
+    results = _ranks("vllm_ranks.py", [[str(r), "2", str(tmp_path / "pg"), str(policy)] for r in range(2)], 300)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["tokens"] == 8 and r["reason"] == "length" and r["sum"] == 3.0 for r in results), results
+
+
+def test_a_tensor_parallel_instance_passes_every_conformance_check(tmp_path):
+    """Two ranks of a job form one vLLM instance with tensor parallelism 2 (vLLM's TP group over the
+    job's world): each rank runs every shared conformance check, making the same calls in the same
+    order, and both see the same completions (tokens, versions and log-probs)."""
+    policy = tmp_path / "policy"
+    conf.tiny_policy(policy)
+    results = _ranks("vllm_tp_ranks.py", [[str(r), "2", "2", str(tmp_path / "pg"), str(policy)] for r in range(2)],
+                     400)
+    for r in results:
+        assert r["engine_tp"] == 2 and r["tp_group"] == [0, 1], r
+        assert not r["failed"], f"rank {r['rank']}: " + "; ".join(f"{k}: {v}" for k, v in r["failed"].items())
+        assert r["worst_logprob_error"] <= conf.TOL and r["completions"] > 20, r
+    assert results[0]["fingerprint"] == results[1]["fingerprint"], "the instance's ranks generated differently"
+
+
+def test_tensor_parallel_needs_the_jobs_world(built):
+    """``tp`` > 1 without a world of a multiple of ``tp`` ranks is a one-line error naming the key, before
+    vLLM is touched (this process's world has one rank)."""
+    engine = built[0]
+    with pytest.raises(ValueError, match=r"resources.rollout_tp_size = 2: needs the job's torch.distributed world"):
+        VllmEngine._check_tp(2, type("C", (), {"num_attention_heads": 4})(), "cpu")
+    with pytest.raises(ValueError, match=r"rollout_tp_size = 4: the model's 6 attention heads do not split"):
+        VllmEngine._check_tp(4, type("C", (), {"num_attention_heads": 6})(), "cpu")
+    assert engine.tp == 1
 
 
 def test_a_job_with_vllm_rollout_workers_spans_a_sync_under_new_weights(tmp_path, policy_dir):

@@ -56,3 +56,8 @@ def test_vllm_engine_needs_top_p_one():
     assert (cfg.rollout.vllm_kv_cache_gb, cfg.rollout.vllm_enforce_eager) == (2.0, False)
     with pytest.raises(ConfigError, match="rollout.vllm_gpu_memory_utilization"):
         load(None, ["rollout.vllm_gpu_memory_utilization=1.5"], check_files=False)
+
+
+def test_the_torch_engine_refuses_tensor_parallelism():
+    with pytest.raises(ConfigError, match=r"resources.rollout_tp_size = 2: the torch engine runs one model per rank"):
+        build_engine(object(), RolloutConfig(engine="torch"), tp=2)

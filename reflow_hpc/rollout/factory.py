@@ -25,13 +25,17 @@ def _check_rollout(cfg: Config) -> None:
                                                     "truncation, which the trainer does not recompute")
 
 
-def build_engine(model, cfg: RolloutConfig, *, device: str = "cpu", seed: int = 0, version: int = 0) -> Engine:
-    """The engine named by ``cfg.engine`` over ``model`` (a ``transformers`` causal LM), on ``device``.
+def build_engine(model, cfg: RolloutConfig, *, device: str = "cpu", seed: int = 0, version: int = 0,
+                 tp: int = 1) -> Engine:
+    """The engine named by ``cfg.engine`` over ``model`` (a ``transformers`` causal LM), on ``device``;
+    ``tp`` > 1 (vLLM only): this rank is one of an instance's ``tp`` tensor-parallel ranks.
 
     ``seed`` should be the run's seed on every worker: with globally unique request ids, a sample's
     tokens then do not depend on which worker generated it.
     """
     if cfg.engine == "torch":
+        if tp != 1:
+            raise ConfigError("resources.rollout_tp_size", tp, "the torch engine runs one model per rank: only 1")
         from .torch_engine import TorchEngine
         return TorchEngine.from_config(model, cfg, device=device, seed=seed, version=version)
     if cfg.engine == "vllm":
@@ -39,7 +43,7 @@ def build_engine(model, cfg: RolloutConfig, *, device: str = "cpu", seed: int = 
             raise ConfigError("rollout.engine", "vllm", "vLLM is not installed in this Python; build its environment "
                                                       "with tools/vllm_env.sh and run from .venv-vllm/bin/python")
         from .vllm_engine import VllmEngine
-        return VllmEngine.from_config(model, cfg, device=str(device), seed=seed, version=version)
+        return VllmEngine.from_config(model, cfg, device=str(device), seed=seed, version=version, tp=tp)
     raise ConfigError("rollout.engine", cfg.engine, "must be torch or vllm")
 
 

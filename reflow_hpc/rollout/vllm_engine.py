@@ -9,6 +9,12 @@ tests (``tests/engine_conformance.py``). Rules it implements:
   every rank builds its engine at the same point (workers do, at setup); vLLM's teardown at exit is
   detached, as it would destroy the job's default group. vLLM's CPU worker replaces
   ``torch.set_num_threads`` with a no-op and seeds torch's global RNG when it starts.
+- **Tensor parallel** (``tp`` > 1): an instance is ``tp`` consecutive ranks of the job's world, every
+  one building its engine with the same arguments and then making the same calls in the same order
+  (vLLM's external-launcher executor: one worker per rank, each with its own scheduler, kept
+  identical by determinism; per-request seeds do not depend on the rank). Every rank loads the full
+  weights; vLLM keeps its shard of each tensor. The job's loop does not drive such instances yet:
+  ``resources.rollout_tp_size > 1`` is refused at config load (README, "Rollout").
 - **Model.** Built from the policy's Hugging Face directory with tokenizer init skipped (requests
   are token ids, ``TokensPrompt``); :meth:`VllmEngine.from_config` then loads the weights of the
   model it is given, so a resumed run generates with its checkpoint's weights, not the directory's.
@@ -161,7 +167,7 @@ class VllmEngine:
     def __init__(self, model_path: str | os.PathLike, *, max_concurrency: int = 32, kv_budget_tokens: int = 16384,
                  max_model_len: int = 0, max_prefill_tokens: int = 4096, seed: int = 0, version: int = 0,
                  dtype: str = "float32", kv_cache_gb: float = 0.0, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = True, device: str = "cpu"):
+                 enforce_eager: bool = True, device: str = "cpu", tp: int = 1):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(model_path)
@@ -191,6 +197,7 @@ class VllmEngine:
         self._arch = type(skeleton).__name__
         del skeleton
 
+        self.tp = self._check_tp(tp, hf_config, device)
         self._sleep_mode = device != "cpu" and torch.cuda.is_available()
         args = EngineArgs(
             model=str(path), skip_tokenizer_init=True, dtype=dtype, seed=self.seed,
@@ -200,7 +207,8 @@ class VllmEngine:
             logprobs_mode="processed_logprobs", max_logprobs=1, enforce_eager=enforce_eager,
             async_scheduling=False,     # a step's tokens come back from that step: versions stay exact
             enable_prefix_caching=True, disable_log_stats=False, gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=self._sleep_mode)
+            enable_sleep_mode=self._sleep_mode, tensor_parallel_size=self.tp,
+            distributed_executor_backend="external_launcher" if self.tp > 1 else None)
         config = args.create_engine_config()
         block = config.cache_config.block_size
         if kv_cache_gb > 0:
@@ -209,7 +217,8 @@ class VllmEngine:
             blocks = math.ceil(kv_budget_tokens / block) + 1     # + vLLM's null block
             config.cache_config.num_gpu_blocks_override = blocks
             if device == "cpu":
-                config.cache_config.kv_cache_memory_bytes = blocks * block * self._kv_bytes_per_token(hf_config, dtype)
+                config.cache_config.kv_cache_memory_bytes = blocks * block * self._kv_bytes_per_token(hf_config, dtype,
+                                                                                                      self.tp)
         if device.startswith("cuda:"):
             config.device_config.device = torch.device(device)   # the executor takes its local rank from it
         self._tally = _Tally()
@@ -231,24 +240,54 @@ class VllmEngine:
         self._asleep = False
 
     @classmethod
-    def from_config(cls, model, cfg, *, device: str = "cpu", seed: int = 0, version: int = 0) -> "VllmEngine":
+    def from_config(cls, model, cfg, *, device: str = "cpu", seed: int = 0, version: int = 0,
+                    tp: int = 1) -> "VllmEngine":
         """Build from the ``[rollout]`` section over the directory ``model`` was loaded from, then load
-        ``model``'s own weights into it."""
+        ``model``'s own weights into it (``tp``: ranks of one tensor-parallel instance, each calling this)."""
         path = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
         dtype = _DTYPES.get(next(model.parameters()).dtype, "float32")
         engine = cls(path, max_concurrency=cfg.max_concurrency, kv_budget_tokens=cfg.kv_budget_tokens,
                      max_model_len=cfg.max_model_len, max_prefill_tokens=cfg.max_prefill_tokens, seed=seed,
                      version=version, dtype=dtype, kv_cache_gb=cfg.vllm_kv_cache_gb,
                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                     enforce_eager=cfg.vllm_enforce_eager, device=str(device))
+                     enforce_eager=cfg.vllm_enforce_eager, device=str(device), tp=tp)
         engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version)
         return engine
 
     @staticmethod
-    def _kv_bytes_per_token(hf_config, dtype: str) -> int:
+    def _kv_bytes_per_token(hf_config, dtype: str, tp: int = 1) -> int:
+        """KV bytes of one token on one rank of the instance (vLLM splits the KV heads over ``tp`` ranks
+        and replicates them where there are fewer heads than ranks)."""
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         size = torch.finfo(getattr(torch, dtype)).bits // 8
-        return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * size
+        heads = max(1, hf_config.num_key_value_heads // tp)
+        return 2 * hf_config.num_hidden_layers * heads * head_dim * size
+
+    @staticmethod
+    def _check_tp(tp: int, hf_config, device: str) -> int:
+        """A tensor-parallel instance is ``tp`` consecutive ranks of the job's torch.distributed world, each
+        building its engine with the same arguments; vLLM's external-launcher executor then runs one
+        worker per rank and lays its TP groups over that world (every rank of the world must build an
+        engine with the same ``tp``). Returns ``tp`` once that holds, with ``RANK``/``LOCAL_RANK`` set
+        for vLLM, which reads them."""
+        import torch.distributed as dist
+
+        tp = int(tp)
+        if tp == 1:
+            return 1
+        if tp < 1:
+            raise ValueError(f"resources.rollout_tp_size = {tp}: must be at least 1")
+        heads = hf_config.num_attention_heads
+        if heads % tp:
+            raise ValueError(f"resources.rollout_tp_size = {tp}: the model's {heads} attention heads do not split "
+                             f"over {tp} ranks")
+        if not dist.is_initialized() or dist.get_world_size() % tp:
+            found = f"{dist.get_world_size()} rank(s)" if dist.is_initialized() else "not initialised"
+            raise ValueError(f"resources.rollout_tp_size = {tp}: needs the job's torch.distributed world, a "
+                             f"multiple of {tp} ranks (this process's world: {found})")
+        os.environ["RANK"] = str(dist.get_rank())
+        os.environ["LOCAL_RANK"] = device.split(":", 1)[1] if device.startswith("cuda:") else str(dist.get_rank())
+        return tp
 
     # ----------------------------------------------------------------------------------------
     # Interface
