@@ -268,9 +268,9 @@ class ResourcesConfig:
     trainer_shard_size: int = opt(1, "s_T: workers per trainer replica: its parameters, gradients and optimizer "
                                      "state are sharded over them (FSDP2); 1 = full replicas.", ge=1)
     rollout_instances: int = opt(2, "n_R: rollout engine instances.", ge=0)
-    rollout_tp_size: int = opt(1, "s_R: workers per rollout instance (tensor parallel). Only 1 in a job: the "
-                                  "vllm engine builds larger instances, which the job's loop does not drive yet; "
-                                  "the simulator takes any size.", ge=1)
+    rollout_tp_size: int = opt(1, "s_R: workers per rollout instance (tensor parallel). Above 1: rollout.engine "
+                                  "= vllm, split pools, static placement (scheduler.elastic = false in mode reflow), "
+                                  "trainer ranks in whole blocks of s_R.", ge=1)
     device: str = opt("auto", "Device of every worker: auto = cuda when available, else cpu.",
                       choices=("auto", "cpu", "cuda"))
     cpu_threads: int = opt(1, "torch intra-op threads per worker on CPU.", ge=1)
@@ -637,13 +637,23 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
         raise ConfigError("resources.workers", r.workers,
                           f"n_T·s_T + n_R·s_R = {r.trainer_replicas}·{r.trainer_shard_size} + "
                           f"{r.rollout_instances}·{r.rollout_tp_size} = {used} must equal workers")
+    from .core.modes import rules as mode_rules
     if r.rollout_tp_size > 1:
-        # A tensor-parallel instance spans several ranks that make the same engine calls in the same order.
-        # The embedded torch engine runs one model per rank; the vLLM engine builds such instances
-        # (VllmEngine tp), but the job's loop does not yet drive an instance's other ranks from its first.
-        why = ("the torch engine runs one model per rank: only 1" if cfg.rollout.engine == "torch" else
-               "the vllm engine builds tensor-parallel instances, but the job's loop does not drive them yet: only 1")
-        raise ConfigError("resources.rollout_tp_size", r.rollout_tp_size, why)
+        # A tensor-parallel instance is s_R consecutive ranks whose engines make the same calls in the same
+        # order, its first rank driving the others (rollout/tensor_parallel.py): vLLM only, and fixed blocks.
+        tp, why = r.rollout_tp_size, ""
+        if cfg.rollout.engine != "vllm":
+            why = f"rollout.engine = {cfg.rollout.engine!r} runs one model per rank: tensor parallelism needs vllm"
+        elif mode_rules(cfg.reflow.mode).colocated:
+            why = f"mode {cfg.reflow.mode} is colocated; a tensor-parallel instance needs split pools"
+        elif cfg.reflow.mode == "reflow" and (cfg.scheduler.elastic or cfg.scheduler.placement_schedule):
+            why = ("the elastic pool does not move tensor-parallel instances yet: set scheduler.elastic = false "
+                   "and no scheduler.placement_schedule")
+        elif (r.trainer_replicas * r.trainer_shard_size) % tp:
+            why = (f"the trainer ranks ({r.trainer_replicas}·{r.trainer_shard_size}) must fill whole blocks of {tp} "
+                   "ranks, so that each instance's ranks are consecutive and aligned (vLLM lays its groups so)")
+        if why:
+            raise ConfigError("resources.rollout_tp_size", tp, why)
     sch = cfg.scheduler
     for item in sch.placement_schedule:
         step, _, n = item.partition(":")
@@ -659,7 +669,6 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
         raise ConfigError("scheduler.min_trainers", sch.min_trainers,
                           f"scheduler.min_trainers · trainer_shard_size + scheduler.min_rollouts · rollout_tp_size "
                           f"must be ≤ resources.workers ({r.workers}): no placement of the pool is feasible")
-    from .core.modes import rules as mode_rules
     if mode_rules(cfg.reflow.mode).colocated and r.workers % r.trainer_shard_size:
         raise ConfigError("resources.trainer_shard_size", r.trainer_shard_size,
                           f"mode {cfg.reflow.mode} trains on every worker: resources.workers ({r.workers}) must be a "

@@ -126,3 +126,26 @@ def test_sharded_trainer_split_is_accepted():
     cfg = C.load(None, ["resources.workers=4", "resources.trainer_replicas=1", "resources.trainer_shard_size=2",
                         "resources.rollout_instances=2"], check_files=False)
     assert cfg.resources.trainer_shard_size == 2
+
+
+TP_SPLIT = ["resources.workers=4", "resources.trainer_replicas=2", "resources.rollout_instances=1",
+            "resources.rollout_tp_size=2"]
+
+
+def test_a_tensor_parallel_rollout_instance_is_accepted_with_vllm_and_split_static_pools():
+    cfg = C.load(None, TP_SPLIT + ["rollout.engine=vllm", "reflow.mode=fully_async", "reflow.sigma=0"], check_files=False)
+    assert cfg.resources.rollout_tp_size == 2
+    cfg = C.load(None, TP_SPLIT + ["rollout.engine=vllm", "scheduler.elastic=false"], check_files=False)
+    assert cfg.reflow.mode == "reflow"
+
+
+@pytest.mark.parametrize("sets, why", [
+    (["reflow.mode=fully_async"], "runs one model per rank: tensor parallelism needs vllm"),
+    (["rollout.engine=vllm", "reflow.mode=sync"], "mode sync is colocated"),
+    (["rollout.engine=vllm"], "the elastic pool does not move tensor-parallel instances yet"),
+    (["rollout.engine=vllm", "scheduler.elastic=false", "resources.trainer_replicas=1", "resources.workers=3"],
+     r"trainer ranks \(1·1\) must fill whole blocks of 2 ranks"),
+])
+def test_a_tensor_parallel_rollout_instance_it_cannot_run_is_refused_naming_the_key(sets, why):
+    with pytest.raises(C.ConfigError, match=r"resources.rollout_tp_size = 2: .*" + why):
+        C.load(None, TP_SPLIT + sets, check_files=False)

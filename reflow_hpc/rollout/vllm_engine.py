@@ -13,8 +13,8 @@ tests (``tests/engine_conformance.py``). Rules it implements:
   one building its engine with the same arguments and then making the same calls in the same order
   (vLLM's external-launcher executor: one worker per rank, each with its own scheduler, kept
   identical by determinism; per-request seeds do not depend on the rank). Every rank loads the full
-  weights; vLLM keeps its shard of each tensor. The job's loop does not drive such instances yet:
-  ``resources.rollout_tp_size > 1`` is refused at config load (README, "Rollout").
+  weights; vLLM keeps its shard of each tensor. In a job the instance's first rank drives the others
+  (``rollout/tensor_parallel.py``).
 - **Model.** Built from the policy's Hugging Face directory with tokenizer init skipped (requests
   are token ids, ``TokensPrompt``); :meth:`VllmEngine.from_config` then loads the weights of the
   model it is given, so a resumed run generates with its checkpoint's weights, not the directory's.

@@ -27,6 +27,11 @@ and, whenever it has requests in flight, steps the engine between them:
   after the run (a sharded replica gathers both to its first worker, which writes); ``Stop`` →
   close the store, copy the shards into the run directory, shut down.
 
+A tensor-parallel vLLM instance (``resources.rollout_tp_size = s_R > 1``, split static pools) is
+``s_R`` consecutive ranks: its first rank is the rollout worker the coordinator knows and drives its
+engine through :class:`~reflow_hpc.rollout.tensor_parallel.LeaderEngine`; the others get only
+``Setup`` and ``Stop`` and, in between, repeat its engine calls (``_follow``).
+
 Every wait is bounded: the coordinator's heartbeat must arrive within ``run.timeout_s``.
 """
 
@@ -88,6 +93,8 @@ class Worker:
         self.rollouts: tuple[int, ...] = ()
         self.shard = self.cfg.resources.trainer_shard_size   # s_T: workers per trainer replica
         self.shard_group: Any = None                          # this rank's replica's workers (s_T > 1)
+        self.tp = self.cfg.resources.rollout_tp_size         # s_R: workers per rollout instance
+        self.follower: Any = None                             # FollowerLink: a tensor-parallel instance's non-first rank
         self.groups: dict[int, tuple[Any, Any]] = {}       # trainer replicas -> (replica group, sync group)
         self.wsyncs: dict[int, Any] = {}                    # trainer replicas -> weight-sync endpoint
         self.holdings: Holdings | None = None
@@ -127,9 +134,16 @@ class Worker:
             if s > 1 else []
         self.shard_group = shard_groups[rank // s] if rank // s < len(shard_groups) else None
         self._shard_groups = len(shard_groups)
+        # A tensor-parallel rollout instance (s_R > 1; static split pools) is s_R consecutive ranks: one group
+        # each, for the weights its first rank passes on; vLLM lays its own TP groups over the same blocks.
+        tp = self.tp
+        instance_groups = [dist.new_group(list(range(b, b + tp)), timeout=deadline) for b in range(0, world, tp)] \
+            if tp > 1 else []
+        self.instance_group = instance_groups[rank // tp] if instance_groups else None
+        self.instance_comm = self.rt.world.Dup() if tp > 1 else None
         for n_t in msg.placements or (len(msg.trainers) // s,):
             trainers = list(msg.trainers) if msg.colocated else list(range(n_t * s))
-            rollouts = list(msg.rollouts) if msg.colocated else list(range(n_t * s, world))
+            rollouts = list(msg.rollouts) if msg.colocated else list(range(n_t * s, world, tp))
             mine = None
             for j in range(s):
                 ranks = trainers[j::s]
@@ -158,7 +172,7 @@ class Worker:
             from ..train.checkpoint import load_checkpoint
             load_checkpoint(msg.resume_from, trainer=self.trainer, restore_rng=False, map_location=self.device)
         inventory, lost = self._build_rollout(model, msg)
-        if rank not in self.rollouts:
+        if rank not in self.rollouts and self.follower is None:
             self.engine.sleep()
         if rank not in self.trainers:
             self.trainer.offload()
@@ -193,7 +207,17 @@ class Worker:
 
         cfg = self.cfg
         self.engine_model = model
-        self.engine = build_engine(model, cfg.rollout, device=self.device, seed=cfg.run.seed, version=msg.version)
+        self.engine = build_engine(model, cfg.rollout, device=self.device, seed=cfg.run.seed, version=msg.version,
+                                   tp=self.tp)
+        first = self.rank - self.rank % self.tp             # the first rank of this rank's block of s_R
+        if self.tp > 1 and first in self.rollouts:
+            from ..rollout.tensor_parallel import FollowerLink, LeaderEngine
+            if first == self.rank:
+                self.engine = LeaderEngine(self.engine, self.instance_comm, self.instance_group,
+                                           list(range(first + 1, first + self.tp)), src=first)
+            else:
+                self.follower = FollowerLink(self.engine, self.instance_comm, self.instance_group, first, src=first,
+                                             device=self.device)
         task = make_task(cfg)
         self.runner = EpisodeRunner(self.engine, task, self.tokenizer, sampling_params(cfg.rollout), owner=self.rank,
                                     chat_template=cfg.task.chat_template)
@@ -238,6 +262,8 @@ class Worker:
         svc.heartbeat_s = self.cfg.run.heartbeat_s
         setup = self._wait(lambda m: isinstance(m, Setup), "waiting for setup")
         self.setup(setup)
+        if self.follower is not None:
+            return self._follow()
         while not self.stopped:
             busy = self.runner is not None and self.runner.has_work()
             t0 = time.monotonic()
@@ -254,6 +280,39 @@ class Worker:
                 self._generate()
             elif svc.silent_for() > self.cfg.run.timeout_s:
                 raise RankTimeout(self.rank, "waiting for work", self.cfg.run.timeout_s, peer="0 (coordinator)")
+        return 0
+
+    def _follow(self) -> int:
+        """A tensor-parallel instance's non-first rank: make its first rank's engine calls until that rank
+        stops (rollout/tensor_parallel.py). The coordinator only sends it its stop."""
+        svc, link, cfg = self.rt.service, self.follower, self.cfg
+        timeout = cfg.run.timeout_s
+        wait = cfg.run.poll_min_s
+        stop_at: float | None = None
+        while not link.stopped:
+            cmd = svc.poll_command(0.0)
+            if cmd is not None:
+                if not isinstance(cmd, Stop):
+                    raise RuntimeError(f"rank {self.rank}: unexpected command {type(cmd).__name__} for a follower "
+                                       f"of tensor-parallel rank {link.src}")
+                self._stop(cmd)
+                stop_at = time.monotonic()
+            if link.pending():
+                link.apply()
+                wait = cfg.run.poll_min_s
+                continue
+            if stop_at is not None and time.monotonic() - stop_at > timeout:
+                raise RankTimeout(self.rank, "waiting for its tensor-parallel instance's last calls", timeout,
+                                  peer=link.src)
+            if stop_at is None and svc.silent_for() > timeout:
+                raise RankTimeout(self.rank, "following its tensor-parallel instance", timeout,
+                                  peer="0 (coordinator)")
+            time.sleep(wait)
+            wait = min(2 * wait, cfg.run.poll_max_s)
+        if stop_at is None:                              # the leader stopped first: the coordinator's stop is due
+            self._stop(self._wait(lambda m: isinstance(m, Stop), "waiting for the stop"))
+        print(f"rank {self.rank}: followed tensor-parallel rank {link.src}: {link.calls} engine calls, "
+              f"{link.loads} weight loads", flush=True)
         return 0
 
     def _wait(self, want: Any, op: str) -> Any:
@@ -447,8 +506,11 @@ class Worker:
 
     def _stop(self, cmd: Stop) -> None:
         self.stopped = True
-        if self.runner is not None:
+        if self.runner is not None and self.follower is None:
             self.runner.abandon()
+            from ..rollout.tensor_parallel import LeaderEngine
+            if isinstance(self.engine, LeaderEngine):
+                self.engine.stop()
         if self.store is not None:
             self.store.close()
             if self.cfg.storage.collect:
