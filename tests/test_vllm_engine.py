@@ -1,6 +1,7 @@
 """The vLLM rollout engine, for real on CPU: the shared conformance checks (tests/engine_conformance.py),
 what is vLLM's own (factory, top-p refusal, fused-layer loads, sleep on CPU), two ranks of a
-torch.distributed job building their engines, and the main job's loop on 4 MPI ranks with it.
+torch.distributed job building their engines, a tensor-parallel instance over two ranks, and the main
+job's loop on 4 MPI ranks with it (one-rank instances, and one TP-2 instance).
 
 Runs in the environment that tools/vllm_env.sh builds: ``.venv-vllm/bin/python -m pytest -m vllm
 tests/test_vllm_engine.py`` (tests/test_vllm_env.py does that from the main suite). Skipped where
