@@ -138,8 +138,12 @@ def _watch_ranks(cfg: Config, proc: subprocess.Popen, first_dead: list[dict]) ->
             continue
         if fresh(summary):
             return                          # training ended: ranks leave one by one from here on
-        gone = [r for r in ranks if not _alive(int(r["pid"]))]
+        state = {r["rank"]: _state(int(r["pid"])) for r in ranks}
+        gone = [r for r in ranks if state[r["rank"]] in (None, "Z", "X")]
         if gone:
+            # Several can be dead by the first look (a peer's death ends others within milliseconds). The
+            # launcher reaps each rank as it dies, so one already reaped died before those still zombies.
+            gone.sort(key=lambda r: state[r["rank"]] is not None)
             first_dead.append(gone[0])
             for r in ranks:
                 if r not in gone:
@@ -150,12 +154,13 @@ def _watch_ranks(cfg: Config, proc: subprocess.Popen, first_dead: list[dict]) ->
             return
 
 
-def _alive(pid: int) -> bool:
+def _state(pid: int) -> str | None:
+    """The process's state letter (Z: a zombie, dead and not reaped yet), None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")    # a zombie has died
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return None
 
 
 def _pump(stream, out, tail: list[str]) -> None:
