@@ -25,11 +25,11 @@ OPS_TAG = 41            # MPI tag of an instance's engine calls (apart from the 
 class LeaderEngine:
     """The leader's engine of a tensor-parallel instance (module docstring)."""
 
-    def __init__(self, engine: Any, comm: Any, group: Any, followers: list[int], src: int):
-        """``comm``: the MPI communicator the followers' ranks are addressed on (``followers``: their ranks
-        there); ``group``: the instance's torch.distributed group, in which ``src`` is this rank's global
-        rank."""
-        self.engine, self.comm, self.group, self.followers, self.src = engine, comm, group, followers, src
+    def __init__(self, engine: Any, comm: Any, group: Any, followers: list[int]):
+        """``comm``: a duplicate of the job's MPI world, so its ranks are the global ranks torch.distributed
+        uses (``followers``: the instance's other ranks); ``group``: the instance's torch.distributed group."""
+        self.engine, self.comm, self.group, self.followers = engine, comm, group, followers
+        self.src = comm.Get_rank()                  # the source of the weight broadcasts
 
     def _send(self, op: tuple) -> None:
         for f in self.followers:
@@ -86,9 +86,10 @@ class LeaderEngine:
 class FollowerLink:
     """A follower's end of its instance (module docstring)."""
 
-    def __init__(self, engine: Any, comm: Any, group: Any, leader: int, src: int, device: str):
-        """``leader``: the leader's rank on ``comm``; ``src``: its global rank, the broadcasts' source."""
-        self.engine, self.comm, self.group, self.leader, self.src, self.device = engine, comm, group, leader, src, device
+    def __init__(self, engine: Any, comm: Any, group: Any, leader: int, device: str):
+        """``comm`` and ``group`` as for :class:`LeaderEngine`; ``leader``: the leader's rank (the same on both,
+        and the source of the weight broadcasts)."""
+        self.engine, self.comm, self.group, self.leader, self.device = engine, comm, group, leader, device
         self.calls = 0
         self.loads = 0
         self.stopped = False
@@ -120,7 +121,7 @@ class FollowerLink:
         elif kind == "stop":
             self.stopped = True
         else:
-            raise RuntimeError(f"tensor-parallel follower: unexpected call {kind!r} from rank {self.src}")
+            raise RuntimeError(f"tensor-parallel follower: unexpected call {kind!r} from rank {self.leader}")
 
     def _tensors(self):
         import torch
@@ -131,8 +132,8 @@ class FollowerLink:
             if op[0] == "end":
                 return
             if op[0] != "tensor":
-                raise RuntimeError(f"tensor-parallel follower: {op[0]!r} from rank {self.src} inside a weight load")
+                raise RuntimeError(f"tensor-parallel follower: {op[0]!r} from rank {self.leader} inside a weight load")
             _, name, shape, dtype = op
             tensor = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.broadcast(tensor, src=self.src, group=self.group)
+            dist.broadcast(tensor, src=self.leader, group=self.group)
             yield name, tensor

@@ -214,9 +214,9 @@ class Worker:
             from ..rollout.tensor_parallel import FollowerLink, LeaderEngine
             if first == self.rank:
                 self.engine = LeaderEngine(self.engine, self.instance_comm, self.instance_group,
-                                           list(range(first + 1, first + self.tp)), src=first)
+                                           list(range(first + 1, first + self.tp)))
             else:
-                self.follower = FollowerLink(self.engine, self.instance_comm, self.instance_group, first, src=first,
+                self.follower = FollowerLink(self.engine, self.instance_comm, self.instance_group, first,
                                              device=self.device)
         task = make_task(cfg)
         self.runner = EpisodeRunner(self.engine, task, self.tokenizer, sampling_params(cfg.rollout), owner=self.rank,
@@ -285,33 +285,32 @@ class Worker:
     def _follow(self) -> int:
         """A tensor-parallel instance's non-first rank: make its first rank's engine calls until that rank
         stops (rollout/tensor_parallel.py). The coordinator only sends it its stop."""
-        svc, link, cfg = self.rt.service, self.follower, self.cfg
-        timeout = cfg.run.timeout_s
-        wait = cfg.run.poll_min_s
+        svc, link = self.rt.service, self.follower
+        timeout = self.cfg.run.timeout_s
+        backoff = self.rt.control.backoff()
         stop_at: float | None = None
         while not link.stopped:
             cmd = svc.poll_command(0.0)
             if cmd is not None:
                 if not isinstance(cmd, Stop):
                     raise RuntimeError(f"rank {self.rank}: unexpected command {type(cmd).__name__} for a follower "
-                                       f"of tensor-parallel rank {link.src}")
+                                       f"of tensor-parallel rank {link.leader}")
                 self._stop(cmd)
                 stop_at = time.monotonic()
             if link.pending():
                 link.apply()
-                wait = cfg.run.poll_min_s
+                backoff.progress()
                 continue
             if stop_at is not None and time.monotonic() - stop_at > timeout:
                 raise RankTimeout(self.rank, "waiting for its tensor-parallel instance's last calls", timeout,
-                                  peer=link.src)
+                                  peer=link.leader)
             if stop_at is None and svc.silent_for() > timeout:
                 raise RankTimeout(self.rank, "following its tensor-parallel instance", timeout,
                                   peer="0 (coordinator)")
-            time.sleep(wait)
-            wait = min(2 * wait, cfg.run.poll_max_s)
+            backoff.idle()
         if stop_at is None:                              # the leader stopped first: the coordinator's stop is due
             self._stop(self._wait(lambda m: isinstance(m, Stop), "waiting for the stop"))
-        print(f"rank {self.rank}: followed tensor-parallel rank {link.src}: {link.calls} engine calls, "
+        print(f"rank {self.rank}: followed tensor-parallel rank {link.leader}: {link.calls} engine calls, "
               f"{link.loads} weight loads", flush=True)
         return 0
 
