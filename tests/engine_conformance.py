@@ -92,6 +92,18 @@ class Harness:
 # Helpers
 # --------------------------------------------------------------------------------------------
 
+def reloading_reset(engine: Engine) -> Callable[[dict, int], Engine]:
+    """A :attr:`Harness.reset` for an engine built once (vLLM: one per process): abort everything, load
+    the state, restore the cap."""
+    def reset(state: dict, version: int) -> Engine:
+        engine.abort_all()
+        engine.load_weights(state, version)
+        engine.set_concurrency_cap(engine.max_concurrency)
+        assert not engine.has_unfinished()
+        return engine
+    return reset
+
+
 def prompt(rng: np.random.Generator, vocab: int, n: int) -> np.ndarray:
     return rng.integers(0, vocab, size=n).astype(np.int32)
 

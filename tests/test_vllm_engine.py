@@ -48,14 +48,8 @@ def built(tmp_path_factory):
     start_s = time.perf_counter() - t0
     print(f"vllm engine built in {start_s:.1f} s")
 
-    def reset(state: dict, version: int) -> VllmEngine:
-        engine.abort_all()
-        engine.load_weights(state, version)
-        engine.set_concurrency_cap(engine.max_concurrency)
-        assert not engine.has_unfinished()
-        return engine
-
-    yield engine, conf.Harness(reset=reset, base=base, template=model, vocab=model.config.vocab_size), start_s
+    yield engine, conf.Harness(reset=conf.reloading_reset(engine), base=base, template=model,
+                               vocab=model.config.vocab_size), start_s
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +236,13 @@ def test_tensor_parallel_needs_the_jobs_world(built):
     assert engine.tp == 1
 
 
+# A short fully_async run whose syncs find requests in flight, with a checkpoint of every version.
+SPANS_SYNCS = ("rollout.engine=vllm", "reflow.mode=fully_async", "reflow.sigma=0", "trainer.steps=4",
+               "trainer.batch_size=16", "algorithm.group_size=4", "checkpoint.every_steps=1", "checkpoint.keep_last=0",
+               "reflow.sync_every=1", "rollout.max_new_tokens=96", "rollout.max_concurrency=32", "reflow.b_max=1024",
+               "reflow.delta=2")
+
+
 def test_a_job_with_vllm_rollout_workers_spans_a_sync_under_new_weights(tmp_path, policy_dir):
     """The main job's loop on 4 MPI ranks with ``rollout.engine = "vllm"`` (each rank builds its engine
     at setup, weights arrive by the trainer's weight sync): samples interrupted by a sync carry two
@@ -249,11 +250,7 @@ def test_a_job_with_vllm_rollout_workers_spans_a_sync_under_new_weights(tmp_path
     tests/test_loop_mpi.py checks for the torch engine."""
     from loop_common import check_logprobs_by_version, run, shard_samples
 
-    run_dir, metrics, summary, _ = run(
-        tmp_path, policy_dir, "rollout.engine=vllm", "reflow.mode=fully_async", "reflow.sigma=0", "trainer.steps=4",
-        "trainer.batch_size=16", "algorithm.group_size=4", "checkpoint.every_steps=1", "checkpoint.keep_last=0",
-        "reflow.sync_every=1", "rollout.max_new_tokens=96", "rollout.max_concurrency=32", "reflow.b_max=1024",
-        "reflow.delta=2")
+    run_dir, metrics, summary, _ = run(tmp_path, policy_dir, *SPANS_SYNCS)
     assert summary["steps"] == 4 and summary["accounting_ok"], summary
     assert metrics[-1]["partial_rollouts"] > 0, "no sync found requests in flight"
     samples = [t for t in shard_samples(run_dir) if len(set(t.versions[t.versions >= 0].tolist())) > 1]
@@ -271,12 +268,8 @@ def test_a_job_with_a_tensor_parallel_rollout_instance(tmp_path, policy_dir):
 
     import re
 
-    run_dir, metrics, summary, proc = run(
-        tmp_path, policy_dir, "rollout.engine=vllm", "reflow.mode=fully_async", "reflow.sigma=0", "trainer.steps=4",
-        "resources.trainer_replicas=2", "resources.rollout_instances=1", "resources.rollout_tp_size=2",
-        "trainer.batch_size=16", "algorithm.group_size=4", "checkpoint.every_steps=1", "checkpoint.keep_last=0",
-        "reflow.sync_every=1", "rollout.max_new_tokens=96", "rollout.max_concurrency=32", "reflow.b_max=1024",
-        "reflow.delta=2")
+    run_dir, metrics, summary, proc = run(tmp_path, policy_dir, *SPANS_SYNCS, "resources.trainer_replicas=2",
+                                          "resources.rollout_instances=1", "resources.rollout_tp_size=2")
     assert summary["steps"] == 4 and summary["accounting_ok"], summary
     assert metrics[-1]["partial_rollouts"] > 0, "no sync found requests in flight"
     followed = re.search(r"rank 3: followed tensor-parallel rank 2: (\d+) engine calls, (\d+) weight loads",

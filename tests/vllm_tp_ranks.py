@@ -57,15 +57,9 @@ def main() -> None:
 
     engine.step = fingerprinted_step
 
-    def reset(state: dict, version: int):
-        engine.abort_all()
-        engine.load_weights(state, version)
-        engine.set_concurrency_cap(engine.max_concurrency)
-        assert not engine.has_unfinished()
-        return engine
-
     base = conf.snapshot(model)
-    harness = conf.Harness(reset=reset, base=base, template=model, vocab=model.config.vocab_size)
+    harness = conf.Harness(reset=conf.reloading_reset(engine), base=base, template=model,
+                           vocab=model.config.vocab_size)
     extra = {"check_abort_then_resume_across_a_weight_load": (conf.perturbed(base, scale=0.05, seed=1),),
              "check_weight_load_while_requests_run": (conf.perturbed(base, scale=0.05, seed=1),),
              "check_loaded_weights_are_the_weights_used": (conf.perturbed(base, scale=0.1, seed=2),)}
