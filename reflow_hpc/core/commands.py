@@ -8,6 +8,7 @@ simulator into an event of its cost model. None of them carries payload arrays.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,9 @@ class Setup:
     placements: tuple[int, ...] = ()   # trainer replica counts (n_T) the elastic pool may take (one group set each)
 
 
-@dataclass(frozen=True, slots=True)
-class DispatchedSample:
+class DispatchedSample(NamedTuple):
+    """One sample of a dispatched group (a tuple: thousands are made per step, and a frozen dataclass's
+    ``__init__`` costs several times a tuple's)."""
     sample_id: int
     group_id: int
     prompt_id: int
@@ -36,9 +38,8 @@ class Dispatch:
     samples: tuple[DispatchedSample, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class TrainSample:
-    """One sample of a trainer replica's share of the batch."""
+class TrainSample(NamedTuple):
+    """One sample of a trainer replica's share of the batch (a tuple, as :class:`DispatchedSample`)."""
     sample_id: int
     owner: int           # rank to fetch the payload from
     advantage: float

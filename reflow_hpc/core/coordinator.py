@@ -590,8 +590,10 @@ class Coordinator:
         every = self.settings.checkpoint_every
         due_every = every and self.steps_done and self.steps_done % every == 0
         due_final = self.steps_done >= self.steps
+        if not (due_every or due_final) or self.batch is not None or self.want_sync:
+            return False
         tag = _tag(self.steps_done)
-        if not (due_every or due_final) or tag == self.checkpoint_tag or self.batch is not None or self.want_sync:
+        if tag == self.checkpoint_tag:
             return False
         self.checkpoint_tag = tag
         writer = self.trainers[0]

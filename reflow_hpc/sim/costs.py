@@ -137,11 +137,15 @@ class Costs:
         """(A, B, C) of one step's time ``max(A + B·i, C)`` i steps after a state of n running sequences
         whose contexts sum to ``s``, spread over ``engines`` engines of ``tp`` GPUs: A, B the memory-bound
         part and its growth per step, C the compute bound."""
+        a0, a1, c0, c1 = self.decode_coefficients(tp, engines)
+        return a0 + a1 * s, a1 * n, c0 + c1 * n
+
+    def decode_coefficients(self, tp: int, engines: int = 1) -> tuple[float, float, float, float]:
+        """(a0, a1, c0, c1) with A = a0 + a1·S, B = a1·n and C = c0 + c1·n in :meth:`decode_terms`
+        (constant for a worker: the simulator folds them once)."""
         bw = self.decode_bw * self.tp_efficiency(tp) * tp
-        a = self.decode_base_s + (self.weight_bytes + self.kv_bytes * s / engines) / bw
-        b = self.kv_bytes * n / (engines * bw)
-        c = self.decode_base_s + 2.0 * self.params * n / (engines * tp * self.decode_flops)
-        return a, b, c
+        return (self.decode_base_s + self.weight_bytes / bw, self.kv_bytes / (engines * bw),
+                self.decode_base_s, 2.0 * self.params / (engines * tp * self.decode_flops))
 
     def decode_step_time(self, tp: int, n: int, s: float, engines: int = 1) -> float:
         """t_dec(n, S): one decode step."""

@@ -135,6 +135,8 @@ class Worker:
         self.target = 0.0                       # step count of the scheduled engine event
         self.target_is_kv = False               # that event is a full KV cache, not a turn end
         self.kv_capacity = place.engines * sim.costs.kv_capacity(place.tp)
+        # Costs.decode_terms, its constants folded once (it is needed at every event).
+        self._a0, self._a1, self._c0, self._c1 = sim.costs.decode_coefficients(place.tp, place.engines)
         self.cap = sim.coordinator.settings.cap_max
         self.preemptions = 0
         # Clocks and counters.
@@ -154,7 +156,8 @@ class Worker:
         return self.s_off + self.n * self.steps
 
     def terms(self) -> tuple[float, float, float]:
-        return self.sim.costs.decode_terms(self.tp, self.n, self.kv_used(), self.engines)
+        n, a1 = self.n, self._a1
+        return self._a0 + a1 * (self.s_off + n * self.steps), a1 * n, self._c0 + self._c1 * n
 
     def advance(self, now: float) -> None:
         """Bring the engine's step counter to ``now``."""
