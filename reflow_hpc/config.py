@@ -449,6 +449,10 @@ class SimConfig:
     checkpoint_write_s: float = opt(0.02, "Time the writer takes to write a checkpoint.", ge=0)
     tick_s: float = opt(10.0, "Period of the coordinator's timer (liveness, time budget) and of the heartbeats.",
                         gt=0)
+    message_latency_s: float = opt(0.0, "Time a control message (a command, a report) takes to reach its receiver; "
+                                        "the runtime's wait for the receiver's next poll (0: at once, no event).", ge=0)
+    fetch_s_per_sample: float = opt(0.0, "Time a trainer replica takes to fetch one sample's payload before its step "
+                                         "(≈ 12 bytes per token: negligible on GPU clusters).", ge=0)
     warmup_steps: int = opt(5, "Steps left out of the reported averages (paper: 5 warm-up, then measured).", ge=0)
 
 

@@ -59,3 +59,4 @@ def test_the_cross_check_compares_bench_modes_with_the_simulated_modes(tmp_path)
     assert [m["mode"] for m in out["modes"]] == ["sync", "one_step_off", "fully_async", "reflow"]
     assert {x["ratio"] for x in out["ratios"]} == {"reflow/sync", "reflow/one_step_off", "reflow/fully_async"}
     assert all(m["simulated"] > 0 for m in out["modes"])
+    assert out["fit"] is None and "stored cost model is used" in r.stdout    # no run directories to fit from

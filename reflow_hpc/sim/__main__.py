@@ -101,6 +101,15 @@ def run_crosscheck(args) -> int:
     if not lines:
         raise SystemExit(f"sim: {args.crosscheck}: no JSON line of tools/bench_modes.py --json")
     rep = cal.crosscheck(json.loads(lines[-1]))
+    if rep["fit"]:
+        print(f"cost model fitted to the bench's runs ({rep['runs']}): {' '.join(rep['fit'])}")
+        for m in rep["primitives"]:
+            print(f"  {m['mode']:<13} trainer {m['trainer_ms_per_token']:.3f} ms/token  update {m['update_s']:.3f} s  "
+                  f"sync {m['sync_s']:.4f} s  fetch {m['fetch_ms_per_sample']:.2f} ms/sample  "
+                  f"engine {m['generation_rate_per_busy_worker']:.0f} tokens/s busy")
+    else:
+        print(f"the bench's run directories are gone: {rep['config']}'s stored cost model is used, not a fit to "
+              f"the bench's machine")
     print(f"cross-check: tools/bench_modes.py measured vs {rep['config']} simulated ({rep['seeds']} seeds)")
     for m in rep["modes"]:
         print(f"  {m['mode']:<13} measured {m['measured']:8.0f} tok/s  simulated {m['simulated']:8.0f} tok/s  "

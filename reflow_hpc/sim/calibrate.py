@@ -23,9 +23,11 @@ A last, informational line compares the role-switch cost model with ReFlow's Tab
 
 Cross-check against real runs (``--crosscheck BENCH_JSON``): the JSON line of ``tools/bench_modes.py
 --json`` is compared, mode by mode and ratio by ratio, with the same four modes simulated on
-``configs/sim_cpu_tiny.toml`` (the bench workload, its costs fitted on one machine; the config says how),
-with bench_modes' settings (every mode syncs after each step) and its averaging (after 5 warm-up steps),
-over ``CROSSCHECK_SEEDS`` seeds.
+``configs/sim_cpu_tiny.toml`` (the bench workload), with bench_modes' settings (every mode syncs after
+each step) and its averaging (after 5 warm-up steps), over ``CROSSCHECK_SEEDS`` seeds. When the bench's
+run directories are still there, the cost model is first fitted to that machine from them
+(:mod:`reflow_hpc.sim.fit`: trainer, optimizer, fetch, sync and engine-step primitives, none of them a
+mode's throughput); otherwise the config's stored fit is used, and the report says which.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .fit import fit as fit_costs
 from .report import simulate
 
 TOLERANCE = 0.15
@@ -156,11 +159,16 @@ def report(outcomes: list[Outcome]) -> dict:
     }
 
 
-def crosscheck(bench: dict, config: str = CPU_TINY, seeds: int = CROSSCHECK_SEEDS) -> dict:
-    """Measured (``bench``: bench_modes' JSON object) against simulated throughput and ratios."""
+def crosscheck(bench: dict, config: str = CPU_TINY, seeds: int = CROSSCHECK_SEEDS, *, refit: bool = True) -> dict:
+    """Measured (``bench``: bench_modes' JSON object) against simulated throughput and ratios. With
+    ``refit`` the cost model is first fitted to the bench's machine from its run directories
+    (:mod:`reflow_hpc.sim.fit`); without, ``config``'s own costs are used."""
     measured = {r["mode"]: r["throughput_tokens_per_s"] for r in bench["rows"] if r.get("system") == "reflow_hpc"}
     sets = [*BENCH_MODES_SETS, f"trainer.steps={bench.get('steps', 40)}",
             f"sim.warmup_steps={bench.get('warmup_steps', 5)}"]
+    runs_dir = Path(bench.get("out") or "")
+    fitted, primitives = fit_costs(bench, config, sets) if refit and bench.get("out") and runs_dir.is_dir() else ([], [])
+    sets += fitted
     simulated = {}
     for mode in measured:
         runs = [simulate(config, mode, [*sets, f"run.seed={seed}"]).summary for seed in range(seeds)]
@@ -174,5 +182,6 @@ def crosscheck(bench: dict, config: str = CPU_TINY, seeds: int = CROSSCHECK_SEED
                 real = measured["reflow"] / measured[base]
                 sim = simulated["reflow"] / simulated[base]
                 ratios.append({"ratio": f"reflow/{base}", "measured": real, "simulated": sim, "error": sim / real - 1})
-    return {"config": Path(config).name, "seeds": seeds, "modes": modes, "ratios": ratios,
-            "max_abs_ratio_error": max((abs(r["error"]) for r in ratios), default=0.0)}
+    return {"config": Path(config).name, "seeds": seeds, "fit": fitted or None, "runs": str(runs_dir) if fitted else None,
+            "primitives": [m.as_dict() for m in primitives],
+            "modes": modes, "ratios": ratios, "max_abs_ratio_error": max((abs(r["error"]) for r in ratios), default=0.0)}

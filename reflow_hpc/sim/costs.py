@@ -170,13 +170,19 @@ class Costs:
 
     def train_time(self, gpus: int, lengths, mode: str) -> float:
         """t_train of one replica of ``gpus`` GPUs on samples of total lengths ``lengths``."""
+        compute, update = self.train_parts(gpus, lengths, mode)
+        return compute + update
+
+    def train_parts(self, gpus: int, lengths, mode: str) -> tuple[float, float]:
+        """t_train split as the trainer reports it: (forward and backward passes, the optimizer updates)."""
         lin = quad = 0.0
         for n in lengths:
             lin += n
             quad += n * n
         per_pass = self.params * lin + self.layers * self.hidden * quad     # Σ L·(N + n_l·d·L)
         passes = 6.0 + (2.0 if mode in self.logprob_recompute_modes else 0.0)
-        return passes * per_pass / (gpus * self.train_mfu * self.flops) + self.train_minibatches * self.train_update_overhead_s
+        return (passes * per_pass / (gpus * self.train_mfu * self.flops),
+                self.train_minibatches * self.train_update_overhead_s)
 
     # ------------------------------------------------------------------------------------------
     # Weight sync and role switches

@@ -8,8 +8,10 @@ Workers (as ``runtime/worker.py``)
     no time; ``Train``, ``Sync``, ``Switch``, ``Checkpoint`` and ``SaveCheckpoint`` block the worker
     until they end, and its engine makes no progress meanwhile. ``Train`` and a split-pool ``Sync``
     are collectives: they start when every member has reached them (the replicas' gradient
-    all-reduce; the weight broadcast) and end together. Commands reach a worker the instant they
-    are emitted; reports reach the coordinator the instant they are made.
+    all-reduce; the weight broadcast) and end together. A command reaches its worker, and a report
+    (a finished sample, a step, a sync, a switch, ready) the coordinator, ``sim.message_latency_s``
+    after it was sent: the runtime's control messages wait for the receiver's next poll. At 0 they
+    arrive at once and cost no event.
 Engines (processor sharing: no event per token)
     A worker's engine runs at most its concurrency cap of requests (``SetCap``; at first the
     coordinator's ``cap_max``) and as many as its KV cache holds (:meth:`~reflow_hpc.sim.costs.Costs.kv_capacity`
@@ -32,9 +34,12 @@ Versions and partial rollouts
 Idle time (as the runtime measures it)
     Rollout idle: a worker in the rollout role with no request in flight that carries out no command.
     Trainer idle: from the end of the worker's last step, sync or switch to the start of its next ``Train``.
+Payload fetches
+    A trainer replica fetches its share before the step: ``sim.fetch_s_per_sample`` per sample
+    (≈ 12 bytes per token: negligible on a GPU cluster, a per-message cost on the CPU one).
 Zero-cost steps (documented simplifications)
-    Control messages, payload fetches (≈ 12 bytes per token), ``Drop``, ``Snapshot`` and the
-    coordinator's own work take no simulated time. A cancelled request leaves its engine at once.
+    ``Drop``, ``Snapshot``, heartbeats and the coordinator's own work take no simulated time. A
+    cancelled request leaves its engine at once.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from .lengths import LengthModel, SampleShape
 from .workload import Placement
 
 # Event kinds of the queue.
-_ENGINE, _DONE, _READY, _TOOL, _TICK = range(5)
+_ENGINE, _DONE, _READY, _TOOL, _TICK, _MESSAGE = range(6)
 # Steps within this of a request's end count as the end (float arithmetic of the closed forms).
 _EPS_STEPS = 1e-6
 # Request states.
@@ -435,6 +440,7 @@ class Simulation:
         self.handed_off: list[tuple[int, int]] = []     # (sample, worker that handed it over) at switches
         self.trained_tokens = 0
         self.events = 0
+        self.latency = cfg.sim.message_latency_s
         # Engine loads feed only the adaptive controller, which acts at most once per control interval
         # and worker (core/scheduling.py): a report within the interval changes nothing, so none is made.
         sch = coordinator.settings.scheduling
@@ -475,11 +481,12 @@ class Simulation:
                 self.done(workers[a], b, t)
             elif kind == _TOOL:
                 workers[a].on_tool_return(b, t)
+            elif kind == _MESSAGE:
+                a(t)
             elif kind == _READY:
                 workers[a].trainer_idle_since = t
                 workers[a].update_idle(t)
-                c.heard(a, t)
-                self.deliver(c.ready(a, [], [], t))
+                self.send(lambda now, wid=a: self._ready(wid, now))
             elif kind == _TICK:
                 self.tick(t)
             if tick_always and kind != _TICK and not c.done:
@@ -498,6 +505,18 @@ class Simulation:
                 self.timeline.append(Activity(w.wid, w.activity_since, self.now, w.activity_kind))
         return self
 
+    def send(self, arrive: Callable[[float], None]) -> None:
+        """A control message: ``arrive(now)`` runs when it reaches its receiver (module docstring)."""
+        if self.latency > 0.0:
+            self.push(self.now + self.latency, _MESSAGE, arrive)
+        else:
+            arrive(self.now)
+
+    def _ready(self, wid: int, now: float) -> None:
+        c = self.coordinator
+        c.heard(wid, now)
+        self.deliver(c.ready(wid, [], [], now))
+
     def tick(self, now: float) -> None:
         """The coordinator's timer, after every worker's heartbeat (``runtime/service.py``)."""
         c = self.coordinator
@@ -505,8 +524,9 @@ class Simulation:
         for w in self.workers.values():
             c.heard(w.wid, now)
             c.rollout_progress(w.wid, idle_s=w.idle_now(now), generated_tokens=int(w.generated_tokens))
-            if w.is_rollout and c.phase == "running":
-                out += self.report_load(w, now)
+            load = self.load_report(w, now) if w.is_rollout and c.phase == "running" else None
+            if load is not None:
+                out += c.engine_load(w.wid, load, now)
         self.deliver(out)
         self.deliver(c.tick(now))
         if not c.done:
@@ -517,13 +537,21 @@ class Simulation:
     # ------------------------------------------------------------------------------------------
 
     def deliver(self, commands: list) -> None:
+        """Send the coordinator's commands to their workers."""
         if not commands:
             return
-        touched = []
         on_command = self.on_command
-        for cmd in commands:
-            if on_command is not None:
+        if on_command is not None:
+            for cmd in commands:
                 on_command(cmd, self.now)
+        if self.latency > 0.0:
+            self.push(self.now + self.latency, _MESSAGE, lambda now: self._arrive(commands))
+        else:
+            self._arrive(commands)
+
+    def _arrive(self, commands: list) -> None:
+        touched = []
+        for cmd in commands:
             w = self.workers[cmd.worker]
             w.inbox.append(cmd)
             touched.append(w)
@@ -608,31 +636,39 @@ class Simulation:
 
     def finished(self, w: Worker, done: list[Request], now: float) -> None:
         """Samples ended on ``w``: report them as ``runtime/worker.py`` does (one message)."""
-        c = self.coordinator
         cap = self.cfg.rollout.max_new_tokens
         if self.on_finished is not None:
             self.on_finished(w.wid, done, now)
-        c.heard(w.wid, now)
-        c.rollout_progress(w.wid, idle_s=w.idle_now(now), generated_tokens=int(w.generated_tokens))
-        out: list = []
+        samples = []
         for r in done:
             versions = [v for v, n in r.segments if n > 0]
             lo, hi = (min(versions), max(versions)) if versions else (w.version, w.version)
             self.samples[r.sid] = r
-            out += c.sample_finished(w.wid, r.sid, reward=r.reward, min_version=lo, max_version=hi,
-                                     loss_tokens=r.generated, finish_reason="length" if r.generated >= cap else "stop",
-                                     total_tokens=r.context(), now=now)
-        if w.is_rollout:
-            out += self.report_load(w, now)
-        self.deliver(out)
+            samples.append((r.sid, r.reward, lo, hi, r.generated, "length" if r.generated >= cap else "stop",
+                            r.context()))
+        wid, idle, generated = w.wid, w.idle_now(now), int(w.generated_tokens)
+        load = self.load_report(w, now) if w.is_rollout else None
 
-    def report_load(self, w: Worker, now: float) -> list:
-        """``w``'s engine load to the generation scheduler, when it can act on it."""
+        def arrive(t: float) -> None:
+            c = self.coordinator
+            c.heard(wid, t)
+            c.rollout_progress(wid, idle_s=idle, generated_tokens=generated)
+            out: list = []
+            for sid, reward, lo, hi, tokens, reason, total in samples:
+                out += c.sample_finished(wid, sid, reward=reward, min_version=lo, max_version=hi, loss_tokens=tokens,
+                                         finish_reason=reason, total_tokens=total, now=t)
+            if load is not None:
+                out += c.engine_load(wid, load, t)
+            self.deliver(out)
+        self.send(arrive)
+
+    def load_report(self, w: Worker, now: float) -> EngineLoad | None:
+        """``w``'s engine load for the generation scheduler, when it can act on it (else None)."""
         if now - w.load_reported_at < self.load_interval:
-            return []
+            return None
         w.load_reported_at = now
         w.advance(now)
-        return self.coordinator.engine_load(w.wid, w.load(), now)
+        return w.load()
 
     # ------------------------------------------------------------------------------------------
     # Collectives and other blocking commands
@@ -651,18 +687,28 @@ class Simulation:
             return
         del self.collectives[key]
         mode = self.rules.mode
-        longest = 0.0
-        total = 0
+        longest = compute = 0.0
+        total = samples = 0
+        parts = {}
+        per_sample = self.cfg.sim.fetch_s_per_sample
         for wid, (c_, _, _) in col.arrived.items():
             lengths = [self.samples[s.sample_id].context() for s in c_.samples]
             total += sum(lengths)
-            longest = max(longest, self.costs.train_time(self.workers[wid].gpus, lengths, mode))
-        self.train_seconds.append(longest)
+            samples += len(lengths)
+            fb, update = parts[wid] = self.costs.train_parts(self.workers[wid].gpus, lengths, mode)
+            compute = max(compute, fb + update)
+            # The gradient all-reduce waits for the slowest replica, fetch included.
+            longest = max(longest, per_sample * len(lengths) + fb + update)
+        self.train_seconds.append(compute)
         self.trained_tokens += total
         for wid, (c_, _, idle_) in col.arrived.items():
             lo, hi = self.check_staleness(c_)
-            stats = {"tokens": float(total), "seconds": longest, "token_staleness_min": lo, "token_staleness_max": hi}
-            self.push(now + longest, _DONE, wid, ("train", c_, stats, idle_))
+            fb, update = parts[wid]
+            # As the trainer reports a step (train/trainer.py), with the batch's tokens and samples.
+            stats = {"tokens": float(total), "samples": float(samples), "seconds": compute,
+                     "forward_backward_seconds": fb, "optimizer_seconds": update, "allreduce_seconds": 0.0,
+                     "token_staleness_min": lo, "token_staleness_max": hi}
+            self.push(now + longest, _DONE, wid, ("train", c_, stats, idle_, per_sample * len(c_.samples)))
 
     def check_staleness(self, cmd: Train) -> tuple[int, int]:
         """(min, max) staleness of every token of this share, which must keep the mode's guarantee
@@ -737,23 +783,22 @@ class Simulation:
 
     def done(self, w: Worker, payload: Any, now: float) -> None:
         """A blocking command of ``w`` ended: report it, then carry on with its inbox."""
-        c = self.coordinator
-        c.heard(w.wid, now)
+        c, wid = self.coordinator, w.wid
         if isinstance(payload, Checkpoint):
             saved: list[int] = []
             if payload.partials and w.is_rollout:     # the run stops early: what is in flight is saved
                 saved = w.hand_off(now)
                 w.holdings.clear()
             w.unblock(now)
-            self.deliver(c.shards_flushed(w.wid, payload.tag, {"rank": w.wid}, now=now, partials=saved))
+            report = lambda t: c.shards_flushed(wid, payload.tag, {"rank": wid}, now=t, partials=saved)  # noqa: E731
         elif isinstance(payload, SaveCheckpoint):
             w.unblock(now)
-            self.deliver(c.checkpoint_written(w.wid, payload.tag, f"sim://{payload.tag}", now=now))
+            report = lambda t: c.checkpoint_written(wid, payload.tag, f"sim://{payload.tag}", now=t)  # noqa: E731
         elif payload[0] == "train":
-            _, cmd, stats, idle = payload
+            _, cmd, stats, idle, fetch = payload
             w.trainer_idle_since = now
             w.unblock(now)
-            self.deliver(c.step_done(w.wid, cmd.step, stats=stats, idle_s=idle, fetch_s=0.0, now=now))
+            report = lambda t: c.step_done(wid, cmd.step, stats=stats, idle_s=idle, fetch_s=fetch, now=t)  # noqa: E731
         elif payload[0] == "sync":
             _, cmd, seconds = payload
             resumed = 0
@@ -767,11 +812,16 @@ class Simulation:
                         stall = self.costs.prefill_time(w.gpus, flops)
             w.trainer_idle_since = now
             w.unblock(now, stall)
-            self.deliver(c.sync_done(w.wid, cmd.version, seconds=seconds, resumed=resumed, now=now))
+            report = lambda t: c.sync_done(wid, cmd.version, seconds=seconds, resumed=resumed, now=t)  # noqa: E731
         else:
             _, cmd, seconds, handed = payload
             w.trainer_idle_since = now
             w.unblock(now)
-            self.deliver(c.switched(w.wid, handed_off=handed, seconds=seconds, now=now))
+            report = lambda t: c.switched(wid, handed_off=handed, seconds=seconds, now=t)  # noqa: E731
+
+        def arrive(t: float) -> None:
+            c.heard(wid, t)
+            self.deliver(report(t))
+        self.send(arrive)
         if w.busy is None and w.inbox:
             self.pump(w)
