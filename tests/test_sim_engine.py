@@ -155,6 +155,22 @@ def test_multi_turn_samples_wait_for_their_tools():
     assert res.summary["step_s"] > plain.summary["step_s"]
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_keeps_its_guarantees_when_messages_take_time(mode):
+    """Commands and reports in flight for 0.5 s cross each other (a cancel and the sample's finish, a
+    sync and a report under the old version); checkpoints every 2 steps and, in reflow, two role
+    switches happen meanwhile."""
+    switches = ["scheduler.placement_schedule=[\"2:10\", \"4:8\"]", "scheduler.elastic=false", "reflow.b_max=512",
+                "reflow.delta=3"] if mode == "reflow" else []
+    res, obs = run(mode, "sim.message_latency_s=0.5", "checkpoint.every_steps=2", *switches,
+                   check_invariants=True)
+    check_guarantees(res, obs)
+    plain, _ = run(mode, "checkpoint.every_steps=2", *switches)
+    assert res.summary["simulated_s"] > plain.summary["simulated_s"]
+    if mode == "reflow":
+        assert res.sim.coordinator.placements == [(2, 10), (4, 8)]
+
+
 def test_the_elastic_pool_switches_roles_in_the_simulator():
     """A schedule moves two rollout workers to training after step 2 and back after step 4: the
     samples they held finish elsewhere, tokens and versions intact."""

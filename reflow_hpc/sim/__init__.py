@@ -6,7 +6,8 @@
 - ``lengths.py``: prompt and response lengths, groups, the cap mass, drift.
 - ``workload.py``: a mode's config, the placement of GPUs into workers, the coordinator.
 - ``report.py``: one run end to end and its summary; ``plots.py``: figures.
-- ``calibrate.py``: the calibration gate and the cross-check against real CPU runs.
+- ``calibrate.py``: the calibration gate and the cross-check against real CPU runs; ``fit.py``: the CPU
+  cost model fitted to the machine of a ``tools/bench_modes.py`` run.
 
 ``python -m reflow_hpc.sim --help`` for the command line.
 """

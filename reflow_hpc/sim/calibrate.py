@@ -161,14 +161,19 @@ def report(outcomes: list[Outcome]) -> dict:
 
 def crosscheck(bench: dict, config: str = CPU_TINY, seeds: int = CROSSCHECK_SEEDS, *, refit: bool = True) -> dict:
     """Measured (``bench``: bench_modes' JSON object) against simulated throughput and ratios. With
-    ``refit`` the cost model is first fitted to the bench's machine from its run directories
-    (:mod:`reflow_hpc.sim.fit`); without, ``config``'s own costs are used."""
+    ``refit`` and the bench's run directories at hand the cost model is first fitted to the bench's
+    machine (:mod:`reflow_hpc.sim.fit`); otherwise ``config``'s own costs are used (``"fit": None``)."""
     measured = {r["mode"]: r["throughput_tokens_per_s"] for r in bench["rows"] if r.get("system") == "reflow_hpc"}
     sets = [*BENCH_MODES_SETS, f"trainer.steps={bench.get('steps', 40)}",
             f"sim.warmup_steps={bench.get('warmup_steps', 5)}"]
     runs_dir = Path(bench.get("out") or "")
-    fitted, primitives = fit_costs(bench, config, sets) if refit and bench.get("out") and runs_dir.is_dir() else ([], [])
-    sets += fitted
+    fitted, primitives = (fit_costs(bench, config, sets) if refit and bench.get("out") and runs_dir.is_dir()
+                          else ([], []))
+    return {"config": Path(config).name, "seeds": seeds, "fit": fitted or None, "runs": str(runs_dir) if fitted else None,
+            "primitives": [m.as_dict() for m in primitives], **_compare(measured, [*sets, *fitted], config, seeds)}
+
+
+def _compare(measured: dict, sets: list[str], config: str, seeds: int) -> dict:
     simulated = {}
     for mode in measured:
         runs = [simulate(config, mode, [*sets, f"run.seed={seed}"]).summary for seed in range(seeds)]
@@ -182,6 +187,4 @@ def crosscheck(bench: dict, config: str = CPU_TINY, seeds: int = CROSSCHECK_SEED
                 real = measured["reflow"] / measured[base]
                 sim = simulated["reflow"] / simulated[base]
                 ratios.append({"ratio": f"reflow/{base}", "measured": real, "simulated": sim, "error": sim / real - 1})
-    return {"config": Path(config).name, "seeds": seeds, "fit": fitted or None, "runs": str(runs_dir) if fitted else None,
-            "primitives": [m.as_dict() for m in primitives],
-            "modes": modes, "ratios": ratios, "max_abs_ratio_error": max((abs(r["error"]) for r in ratios), default=0.0)}
+    return {"modes": modes, "ratios": ratios, "max_abs_ratio_error": max((abs(r["error"]) for r in ratios), default=0.0)}

@@ -18,8 +18,9 @@ payload fetch → ``sim.fetch_s_per_sample``
     Σ ``fetch_seconds`` ÷ Σ samples of a replica's share.
 engine step → ``sim.decode_base_s``
     scaled until the simulated generation rate of a busy rollout worker (tokens generated ÷ rollout
-    seconds not idle) matches the measured one: the geometric mean over the modes of simulated ÷
-    measured, applied ``DECODE_ITERATIONS`` times (the decode step's compute term does not scale).
+    seconds not idle) matches the measured one: by the geometric mean over the modes of simulated ÷
+    measured, again until it changes by less than ``DECODE_TOLERANCE`` (the decode step's compute
+    term does not scale, and the waits it shortens change the running counts).
     The rate is the engine's, not the pipeline's: it leaves out the time a worker waits for work.
 
 Every mode weighs by its measured steps. What the fit returns are ``--set`` lines of the simulator's
@@ -34,12 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import load
+from ..core.modes import rules
 from ..metrics import read_jsonl
 from .report import simulate
 from .workload import load_mode, placement
 
-DECODE_ITERATIONS = 3
-COLOCATED_MODES = ("sync",)
+DECODE_TOLERANCE = 1e-3          # relative change of the engine step at which its fit stops
+DECODE_MAX_ITERATIONS = 20
 
 
 @dataclass
@@ -117,21 +119,25 @@ def measure(bench: dict, config: str) -> list[ModeMeasure]:
 
 
 def fit(bench: dict, config: str, sets: list[str]) -> tuple[list[str], list[ModeMeasure]]:
-    """``--set`` lines that fit ``config``'s cost model to ``bench``'s machine (module docstring), and
-    what was measured. ``sets`` are the cross-check's own settings (steps, warm-up, sync period)."""
+    """``--set`` lines that fit ``config``'s cost model to ``bench``'s machine (module docstring): one
+    cost model from every mode's steps, as dedicated GPUs would give; and what each mode measured.
+    ``sets`` are the cross-check's own settings (steps, warm-up, sync period)."""
     found = measure(bench, config)
-    cfg = load(config, check_files=False)
-    s = cfg.sim
+    return _fit(found, config, sets), found
+
+
+def _fit(found: list[ModeMeasure], config: str, sets: list[str]) -> list[str]:
+    s = load(config, check_files=False).sim
     fb = sum(m.fb_s for m in found)
     flops = sum(m.flops for m in found)
     steps = sum(m.steps for m in found)
     if not fb > 0:
-        raise ValueError("the bench's runs measured no forward-backward time")
+        raise ValueError(f"the bench's {', '.join(m.mode for m in found)} run(s) measured no forward-backward time")
     gpus = placement(load_mode(config, found[0].mode, sets)).worker_gpus
     mfu = flops / fb / (gpus * s.gpu_flops)
     update = sum(m.update_s * m.steps for m in found) / steps / max(1, s.train_minibatches)
-    split = [m for m in found if m.mode not in COLOCATED_MODES and _finite(m.sync_s)]
-    coloc = [m for m in found if m.mode in COLOCATED_MODES and _finite(m.sync_s)]
+    split = [m for m in found if not rules(m.mode).colocated and _finite(m.sync_s)]
+    coloc = [m for m in found if rules(m.mode).colocated and _finite(m.sync_s)]
     fetch = sum(m.fetch_s for m in found) / sum(m.share_samples for m in found)
     out = [f"sim.train_mfu={mfu:.6g}", f"sim.train_update_overhead_s={update:.6g}", f"sim.fetch_s_per_sample={fetch:.6g}"]
     if split:
@@ -139,7 +145,7 @@ def fit(bench: dict, config: str, sets: list[str]) -> tuple[list[str], list[Mode
     if coloc:
         out.append(f"sim.sync_colocated_base_s={sum(m.sync_s * m.steps for m in coloc) / sum(m.steps for m in coloc):.6g}")
     decode = s.decode_base_s
-    for _ in range(DECODE_ITERATIONS):
+    for _ in range(DECODE_MAX_ITERATIONS):
         logs = []
         for m in found:
             if not (_finite(m.rate) and m.rate > 0):
@@ -151,6 +157,9 @@ def fit(bench: dict, config: str, sets: list[str]) -> tuple[list[str], list[Mode
                 logs.append(math.log(rate / m.rate))
         if not logs:
             break
-        decode *= math.exp(sum(logs) / len(logs))
+        step = math.exp(sum(logs) / len(logs))
+        decode *= step
+        if abs(step - 1.0) < DECODE_TOLERANCE:
+            break
     out.append(f"sim.decode_base_s={decode:.6g}")
-    return out, found
+    return out
