@@ -294,7 +294,11 @@ def train(rt) -> int:
             and summary.get("steps", 0) < rt.cfg.trainer.steps:
         job = os.environ["SLURM_JOB_ID"]
         print(f"requeueing Slurm job {job}: it resumes from the checkpoint just written", flush=True)
-        subprocess.run(["scontrol", "requeue", job], check=False)
+        request = os.environ.get("REFLOW_REQUEUE_FILE")
+        if request:                 # our batch scripts requeue once srun has returned (slurm/*.sbatch)
+            Path(request).write_text(f"{job}\n")
+        else:
+            subprocess.run(["scontrol", "requeue", job], check=False)
     return 0
 
 

@@ -143,14 +143,22 @@ def _finished_losing_nothing(run_dir: Path, steps: int) -> dict:
     return summary
 
 
+def _steps_alive(job_id: str) -> bool:
+    """Does a slurmstepd of the job (its batch script or a step) still run on the local nodes?"""
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return any(line.startswith(f"slurmstepd: [{job_id}.") for line in out.splitlines())
+
+
 def _wait_requeued_and_done(job_id: str, timeout: float = 420) -> str:
-    """Wait until the job restarted at least once and then ended; a requeued job that Slurm holds back
-    (BeginTime) is released at once."""
+    """Wait until the job restarted at least once and then ended. A requeued job that Slurm holds back
+    (BeginTime, for the old instance to end) is released as soon as none of its old processes is left:
+    sooner, the new instance is refused ("job credential revoked") or its ranks meet the old step's
+    PMI server."""
     deadline = time.monotonic() + timeout
     state = ""
     while time.monotonic() < deadline:
         state, restarts = _job_field(job_id, "JobState"), _job_field(job_id, "Restarts")
-        if state == "PENDING" and _job_field(job_id, "Reason") == "BeginTime":
+        if state == "PENDING" and _job_field(job_id, "Reason") == "BeginTime" and not _steps_alive(job_id):
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") and restarts not in ("", "0"):
             return state
