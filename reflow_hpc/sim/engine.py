@@ -544,10 +544,7 @@ class Simulation:
         if on_command is not None:
             for cmd in commands:
                 on_command(cmd, self.now)
-        if self.latency > 0.0:
-            self.push(self.now + self.latency, _MESSAGE, lambda now: self._arrive(commands))
-        else:
-            self._arrive(commands)
+        self.send(lambda now: self._arrive(commands))
 
     def _arrive(self, commands: list) -> None:
         touched = []
@@ -695,20 +692,21 @@ class Simulation:
             lengths = [self.samples[s.sample_id].context() for s in c_.samples]
             total += sum(lengths)
             samples += len(lengths)
-            fb, update = parts[wid] = self.costs.train_parts(self.workers[wid].gpus, lengths, mode)
+            fb, update = self.costs.train_parts(self.workers[wid].gpus, lengths, mode)
+            parts[wid] = (per_sample * len(lengths), fb, update)          # fetch, forward-backward, update
             compute = max(compute, fb + update)
             # The gradient all-reduce waits for the slowest replica, fetch included.
-            longest = max(longest, per_sample * len(lengths) + fb + update)
+            longest = max(longest, sum(parts[wid]))
         self.train_seconds.append(compute)
         self.trained_tokens += total
         for wid, (c_, _, idle_) in col.arrived.items():
             lo, hi = self.check_staleness(c_)
-            fb, update = parts[wid]
+            fetch, fb, update = parts[wid]
             # As the trainer reports a step (train/trainer.py), with the batch's tokens and samples.
             stats = {"tokens": float(total), "samples": float(samples), "seconds": compute,
                      "forward_backward_seconds": fb, "optimizer_seconds": update, "allreduce_seconds": 0.0,
                      "token_staleness_min": lo, "token_staleness_max": hi}
-            self.push(now + longest, _DONE, wid, ("train", c_, stats, idle_, per_sample * len(c_.samples)))
+            self.push(now + longest, _DONE, wid, ("train", c_, stats, idle_, fetch))
 
     def check_staleness(self, cmd: Train) -> tuple[int, int]:
         """(min, max) staleness of every token of this share, which must keep the mode's guarantee

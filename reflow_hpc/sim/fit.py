@@ -123,10 +123,6 @@ def fit(bench: dict, config: str, sets: list[str]) -> tuple[list[str], list[Mode
     cost model from every mode's steps, as dedicated GPUs would give; and what each mode measured.
     ``sets`` are the cross-check's own settings (steps, warm-up, sync period)."""
     found = measure(bench, config)
-    return _fit(found, config, sets), found
-
-
-def _fit(found: list[ModeMeasure], config: str, sets: list[str]) -> list[str]:
     s = load(config, check_files=False).sim
     fb = sum(m.fb_s for m in found)
     flops = sum(m.flops for m in found)
@@ -162,4 +158,4 @@ def _fit(found: list[ModeMeasure], config: str, sets: list[str]) -> list[str]:
         if abs(step - 1.0) < DECODE_TOLERANCE:
             break
     out.append(f"sim.decode_base_s={decode:.6g}")
-    return out
+    return out, found
