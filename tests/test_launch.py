@@ -105,3 +105,21 @@ def test_rank_dying_in_handshake_ends_job_naming_it(tmp_path, action):
     else:  # SIGKILL: the launcher notices at once and ends every rank
         assert "signal 9" in r.stdout + r.stderr or "Killed" in r.stdout + r.stderr
     assert leftover_processes(name) == []
+
+
+MPICH_BOTH = "MPICH Version:      5.0.2\nMPICH Device:       ch4:ucx ofi\nMPICH configure:    --with-device=ch4:ucx,ofi\n"
+SLURM_PMI = {"PMI_FD": "11", "PMI_JOBID": "23.0", "PMI_RANK": "0", "PMI_SIZE": "4", "SLURM_STEP_ID": "0"}
+
+
+@pytest.mark.parametrize("library, env, expected", [
+    (MPICH_BOTH, SLURM_PMI, "ofi"),                                            # srun --mpi=pmi2
+    (MPICH_BOTH, {**SLURM_PMI, "MPIR_CVAR_CH4_NETMOD": "ucx"}, None),          # the user chose
+    (MPICH_BOTH, {**SLURM_PMI, "MPICH_CH4_NETMOD": "ucx"}, None),
+    (MPICH_BOTH, {"PMI_FD": "9", "PMI_RANK": "0", "HYDI_CONTROL_FD": "7"}, None),  # hydra's mpiexec
+    (MPICH_BOTH, {"PMIX_RANK": "0", "SLURM_STEP_ID": "0"}, None),              # srun --mpi=pmix
+    ("MPICH Version: 4.2.0\nMPICH Device: ch4:ucx\n", SLURM_PMI, None),        # nothing to switch to
+    ("Open MPI v5.0.3, package: Open MPI\n", SLURM_PMI, None),
+])
+def test_netmod_override_only_where_slurms_pmi1_reads_would_split(library, env, expected):
+    from reflow_hpc.comm.mpi import netmod_override
+    assert netmod_override(library, env) == expected

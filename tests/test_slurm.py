@@ -151,15 +151,21 @@ def _steps_alive(job_id: str) -> bool:
 
 def _wait_requeued_and_done(job_id: str, timeout: float = 420) -> str:
     """Wait until the job restarted at least once and then ended. A requeued job that Slurm holds back
-    (BeginTime, for the old instance to end) is released as soon as none of its old processes is left:
+    (BeginTime, for the old instance to end) is released 2 s after none of its old processes is left:
     sooner, the new instance is refused ("job credential revoked") or its ranks meet the old step's
     PMI server."""
     deadline = time.monotonic() + timeout
     state = ""
+    gone_since = None
     while time.monotonic() < deadline:
         state, restarts = _job_field(job_id, "JobState"), _job_field(job_id, "Restarts")
-        if state == "PENDING" and _job_field(job_id, "Reason") == "BeginTime" and not _steps_alive(job_id):
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+        held = state == "PENDING" and _job_field(job_id, "Reason") == "BeginTime"
+        if held and not _steps_alive(job_id):
+            gone_since = gone_since or time.monotonic()
+            # Slurm revokes the old instance's credential with 1 s resolution: a launch within the
+            # same second as the kill is refused too.
+            if time.monotonic() - gone_since >= 2.0:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") and restarts not in ("", "0"):
             return state
         if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):

@@ -8,15 +8,18 @@
   costs almost no CPU and a silent peer ends in :class:`RankTimeout` naming the rank and operation.
 - Object collectives (broadcast of a rendezvous address) are done with non-blocking buffer
   collectives under the same deadline.
+- Under Slurm's ``mpi/pmi2`` plugin an MPICH that has both modules starts on OFI, not UCX
+  (:func:`netmod_override` says why); a user's own choice of module is kept.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -30,13 +33,51 @@ def under_launcher() -> bool:
     return any(m in os.environ for m in markers)
 
 
+# Environment variables through which a user chooses MPICH's network module himself.
+NETMOD_VARS = ("MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD", "MPIR_PARAM_CH4_NETMOD")
+
+
+def netmod_override(library: str, env: Mapping[str, str]) -> str | None:
+    """The MPICH network module to select before ``MPI_Init``, or None to leave the library's choice.
+
+    MPICH's UCX module publishes a 4 KiB business card per rank through PMI, padded past the real
+    UCX address with whatever lies next to it on the heap, and cut into PMI-1 ``put`` lines of up to
+    ~1080 bytes. Slurm's ``mpi/pmi2`` plugin reads a PMI-1 request with a single 1024-byte ``read``:
+    whenever the heap bytes do not compress (MPICH hex-encodes with run-length), a line is split, the
+    step daemon rejects both halves ("value not properly terminated in client request") and
+    MPI_Init fails. Whether it does depends on what the process allocated before MPI_Init, so a
+    requeued or resumed job failed where a fresh one passed. The OFI module publishes its fixed-size
+    socket address instead, a short line. Hydra's own PMI server reads whole lines and is not affected.
+    """
+    lines = library.splitlines()
+    device = next((ln for ln in lines if ln.startswith("MPICH Device:")), "")
+    if not lines or not lines[0].startswith("MPICH") or "ucx" not in device or "ofi" not in device:
+        return None
+    if "PMI_JOBID" not in env or "PMI_FD" not in env or "HYDI_CONTROL_FD" in env:
+        return None                 # not Slurm's mpi/pmi2 plugin serving PMI-1 on a socket
+    if any(v in env for v in NETMOD_VARS):
+        return None
+    return "ofi"
+
+
 def init() -> Any:
     """Initialise MPI once (thread level multiple) and return the ``MPI`` module."""
     global _MPI
     if _MPI is None:
         import mpi4py
         mpi4py.rc.thread_level = "multiple"
+        mpi4py.rc.initialize = False        # initialised below, once the network module is chosen
+        mpi4py.rc.finalize = True
         from mpi4py import MPI
+        if not MPI.Is_initialized():
+            netmod = netmod_override(MPI.Get_library_version(), os.environ)
+            if netmod is not None:
+                os.environ[NETMOD_VARS[0]] = netmod
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+            if netmod is not None and MPI.COMM_WORLD.Get_rank() == 0:
+                print(f"reflow_hpc: MPICH under Slurm's pmi2 plugin: network module {netmod!r} instead of UCX, whose "
+                      f"start-up messages overflow the plugin's 1024-byte PMI-1 reads (set {NETMOD_VARS[0]} to "
+                      f"choose)", file=sys.stderr, flush=True)
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError(f"rank {MPI.COMM_WORLD.Get_rank()}: the MPI library provides thread level "
                                f"{MPI.Query_thread()}, reflow_hpc needs MPI_THREAD_MULTIPLE "
