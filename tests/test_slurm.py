@@ -86,6 +86,10 @@ def test_sbatch_local_script_runs_check_on_two_nodes(slurm_conf, tmp_path):
         by_node.setdefault(rk["node"], []).append(rk["local_rank"])
     assert all(sorted(v) == [0, 1] for v in by_node.values())
     assert topo["slurm"]["SLURM_JOB_ID"] == job_id
+    if "MPICH" in topo["mpi"]["library"]:       # the [mpich] wheel, built with both UCX and OFI
+        # under Slurm's pmi2 plugin it starts on OFI (comm.mpi.netmod_override), and says so once
+        assert topo["mpi"]["netmod"] == "MPIR_CVAR_CH4_NETMOD=ofi", topo["mpi"]
+        assert log.count("network module 'ofi' instead of UCX") == 1, log
 
 
 def fresh_clone(dest: Path) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..comm.dist import backend_for, guarded, init_process_group
-from ..comm.mpi import library_version, wait_request
+from ..comm.mpi import NETMOD_VARS, library_version, wait_request
 from ..config import Config, to_dict
 from .context import Runtime
 from .coordinator import Outgoing
@@ -84,7 +84,9 @@ def write_topology(cfg: Config, hellos: list[Hello], reports: dict[int, CheckRep
         "num_nodes": len(placement.nodes),
         "nodes": placement.nodes,
         "ranks": ranks,
-        "mpi": {"library": library_version(), "thread_level": "multiple"},
+        "mpi": {"library": library_version(), "thread_level": "multiple",
+                "netmod": next((f"{v}={os.environ[v]}" for v in NETMOD_VARS if v in os.environ),
+                               "the library's default")},
         "handshake_s": round(handshake_s, 6),
         "slurm": {k: os.environ[k] for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_JOB_NODELIST", "SLURM_NTASKS")
                   if k in os.environ},
