@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 import uuid
 
@@ -105,6 +106,33 @@ def test_rank_dying_in_handshake_ends_job_naming_it(tmp_path, action):
     else:  # SIGKILL: the launcher notices at once and ends every rank
         assert "signal 9" in r.stdout + r.stderr or "Killed" in r.stdout + r.stderr
     assert leftover_processes(name) == []
+
+
+def test_a_rank_that_never_reaches_mpi_init_ends_the_job_named_by_a_waiting_rank(tmp_path):
+    """MPI_Init waits on every rank through the launcher; it is bounded by run.timeout_s like any wait.
+    The first waiting rank to give up ends the job (hydra then stops the others, often before they write)."""
+    r, elapsed, run_dir, name = _run(tmp_path, "--set", "run.timeout_s=8",
+                                     env={"REFLOW_FAILPOINTS": "mpi_init@2=hang"})
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "MPI_Init: the launcher's start-up exchange did not complete" in ln]
+    assert lines and all("after 8.0 s (run.timeout_s)" in ln for ln in lines), r.stderr
+    assert {re.search(r"rank (\d+):", ln).group(1) for ln in lines} <= {"0", "1", "3"}
+    assert elapsed < 8 + 60
+    assert leftover_processes(name) == []
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0])
+def test_mpi_errors_raise_after_either_way_of_starting_mpi(timeout_s):
+    """With a deadline MPI_Init is called through ctypes (mpi4py would hold the GIL); MPI errors must
+    still raise MPI.Exception as after mpi4py's own start, not abort the rank."""
+    code = ("from reflow_hpc.comm.mpi import init\n"
+            f"MPI = init(timeout_s={timeout_s})\n"
+            "try:\n"
+            "    MPI.COMM_WORLD.send(1, dest=5)\n"
+            "except MPI.Exception as e:\n"
+            "    print('raised', e.Get_error_class() == MPI.ERR_RANK)\n")
+    r = run_cmd(["mpiexec", "-n", "1", sys.executable, "-c", code], timeout=60)
+    assert r.returncode == 0 and "raised True" in r.stdout, r.stdout + r.stderr
 
 
 MPICH_BOTH = "MPICH Version:      5.0.2\nMPICH Device:       ch4:ucx ofi\nMPICH configure:    --with-device=ch4:ucx,ofi\n"

@@ -60,8 +60,21 @@ def netmod_override(library: str, env: Mapping[str, str]) -> str | None:
     return "ofi"
 
 
-def init() -> Any:
-    """Initialise MPI once (thread level multiple) and return the ``MPI`` module."""
+def launcher_rank() -> str:
+    """This process's rank as the launcher announced it (before MPI can say), or '?'."""
+    for var in ("PMI_RANK", "SLURM_PROCID", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"):
+        if var in os.environ:
+            return os.environ[var]
+    return "?"
+
+
+def init(timeout_s: float | None = None) -> Any:
+    """Initialise MPI once (thread level multiple) and return the ``MPI`` module.
+
+    ``timeout_s`` bounds ``MPI_Init`` itself: it waits on every other rank and on the launcher's PMI
+    exchange, and would wait forever for a rank that never starts or a PMI request the server lost.
+    Past it the rank writes one line naming itself and exits 1 (the launcher then ends the others).
+    """
     global _MPI
     if _MPI is None:
         import mpi4py
@@ -73,7 +86,7 @@ def init() -> Any:
             netmod = netmod_override(MPI.Get_library_version(), os.environ)
             if netmod is not None:
                 os.environ[NETMOD_VARS[0]] = netmod
-            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+            _init_thread(MPI, timeout_s)
             if netmod is not None and MPI.COMM_WORLD.Get_rank() == 0:
                 print(f"reflow_hpc: MPICH under Slurm's pmi2 plugin: network module {netmod!r} instead of UCX, whose "
                       f"start-up messages overflow the plugin's 1024-byte PMI-1 reads (set {NETMOD_VARS[0]} to "
@@ -84,6 +97,42 @@ def init() -> Any:
                                f"({MPI.Get_library_version().splitlines()[0]})")
         _MPI = MPI
     return _MPI
+
+
+def _init_thread(MPI: Any, timeout_s: float | None) -> None:
+    if timeout_s is None:
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        return
+    import ctypes
+    import threading
+
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(timeout_s):
+            os.write(2, f"reflow_hpc: rank {launcher_rank()}: MPI_Init: the launcher's start-up exchange did not "
+                        f"complete after {timeout_s:.1f} s (run.timeout_s); a rank that never started, or the "
+                        f"PMI server lost a request (its log names it)\n".encode())
+            os._exit(1)
+
+    if launcher_rank().isdigit():
+        from .failure import failpoint
+        failpoint("mpi_init", int(launcher_rank()))         # (tests: a rank that never reaches MPI_Init)
+    threading.Thread(target=watchdog, name="mpi-init-watchdog", daemon=True).start()
+    # mpi4py keeps the GIL during MPI_Init_thread, so the watchdog could never run; a ctypes call into
+    # the same library (the one mpi4py's extension links) releases it.
+    provided = ctypes.c_int(0)
+    try:
+        code = ctypes.CDLL(MPI.__file__).MPI_Init_thread(None, None, ctypes.c_int(MPI.THREAD_MULTIPLE),
+                                                         ctypes.byref(provided))
+    finally:
+        done.set()
+    if code != 0:
+        raise RuntimeError(f"rank {launcher_rank()}: MPI_Init_thread failed with error code {code}")
+    # What mpi4py does after an MPI_Init_thread of its own (mpi4py.rc.errors = "exception"): an MPI
+    # error raises MPI.Exception instead of aborting the job.
+    for comm in (MPI.COMM_SELF, MPI.COMM_WORLD):
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
 
 
 class RankTimeout(TimeoutError):

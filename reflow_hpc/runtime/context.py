@@ -48,7 +48,7 @@ class Runtime:
 
     def __init__(self, cfg: Config, side_factory: Callable[[], CoordinatorSide] | None):
         self.cfg = cfg
-        self.MPI = init()
+        self.MPI = init(timeout_s=cfg.run.timeout_s)
         self.world = self.MPI.COMM_WORLD
         self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
         check_world_size(self.size, self.rank)
