@@ -269,9 +269,16 @@ def test_usr2_through_submitit_requeues_and_resumes(slurm_conf, tmp_path, policy
 
 def test_submit_wait_through_submitit(slurm_conf, tmp_path):
     name = f"sub{uuid.uuid4().hex[:8]}"
-    r = run_cmd(["python", "-m", "reflow_hpc.submit", "--nodes", "2", "--wait", CFG, "--set",
-                 f"slurm.log_dir={tmp_path}/logs", "--",
-                 "--check", "--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}"], timeout=300)
+    try:
+        r = run_cmd(["python", "-m", "reflow_hpc.submit", "--nodes", "2", "--wait", CFG, "--set",
+                     f"slurm.log_dir={tmp_path}/logs", "--",
+                     "--check", "--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}"], timeout=300)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        job_id = m.group(1) if (m := re.search(r"submitted job (\d+)", out)) else None
+        nodes = subprocess.run(["sinfo", "-N", "-h", "-o", "%N %T %E"], capture_output=True, text=True).stdout
+        raise AssertionError(f"submit --wait still running after 300 s\n{out}\n--- nodes\n{nodes}"
+                             + _job_report(job_id, tmp_path / "logs", slurm_conf)) from None
     job_id = m.group(1) if (m := re.search(r"submitted job (\d+)", r.stdout)) else None
     assert r.returncode == 0, r.stdout + r.stderr + _job_report(job_id, tmp_path / "logs", slurm_conf)
     assert "submitted job" in r.stdout and "self-check: 4 ranks on 2 node(s)" in r.stdout
