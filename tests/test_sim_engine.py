@@ -238,3 +238,18 @@ def test_costs_replaced_for_a_what_if_run():
     a = summarise(Simulation(cfg, build_coordinator(cfg, place), place).run()).summary
     b = summarise(Simulation(cfg, build_coordinator(cfg, place), place, costs=fast).run()).summary
     assert b["simulated_s"] < a["simulated_s"]
+
+
+def test_the_collector_setting_changes_speed_only_and_is_restored(monkeypatch):
+    import gc
+    import json
+
+    import reflow_hpc.sim.engine as engine
+    before = gc.get_threshold()
+    runs = []
+    for young in (700, engine.GC_YOUNG_THRESHOLD):
+        monkeypatch.setattr(engine, "GC_YOUNG_THRESHOLD", young)
+        res = simulate(QWEN3, "reflow", ["trainer.steps=3", "sim.warmup_steps=0", "trainer.batch_size=256"], 64)
+        runs.append(json.dumps(res.summary, sort_keys=True, default=str))
+        assert gc.get_threshold() == before
+    assert runs[0] == runs[1]
