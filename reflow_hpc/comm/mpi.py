@@ -45,8 +45,8 @@ def netmod_override(library: str, env: Mapping[str, str]) -> str | None:
     ~1080 bytes. Slurm's ``mpi/pmi2`` plugin reads a PMI-1 request with a single 1024-byte ``read``:
     whenever the heap bytes do not compress (MPICH hex-encodes with run-length), a line is split, the
     step daemon rejects both halves ("value not properly terminated in client request") and
-    MPI_Init fails. Whether it does depends on what the process allocated before MPI_Init, so a
-    requeued or resumed job failed where a fresh one passed. The OFI module publishes its fixed-size
+    MPI_Init fails. Whether it does depends on what the process allocated before MPI_Init, so jobs
+    failed at random, most often when restarted after a requeue. The OFI module publishes its fixed-size
     socket address instead, a short line. Hydra's own PMI server reads whole lines and is not affected.
     """
     lines = library.splitlines()
@@ -112,7 +112,7 @@ def _init_thread(MPI: Any, timeout_s: float | None) -> None:
         if not done.wait(timeout_s):
             os.write(2, f"reflow_hpc: rank {launcher_rank()}: MPI_Init: the launcher's start-up exchange did not "
                         f"complete after {timeout_s:.1f} s (run.timeout_s); a rank that never started, or the "
-                        f"PMI server lost a request (its log names it)\n".encode())
+                        f"PMI server lost a request (the launcher's or slurmd's log names it)\n".encode())
             os._exit(1)
 
     if launcher_rank().isdigit():
