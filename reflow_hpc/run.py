@@ -206,7 +206,8 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
         return 1
     except ConfigError as e:
         # Every rank sees the same error; one line is enough.
-        if int(os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        from .comm.mpi import launcher_rank
+        if launcher_rank() in ("0", "?"):
             print(str(e), file=sys.stderr, flush=True)
         return 2
 
