@@ -295,6 +295,10 @@ class SchedulerConfig:
     placement_margin: float = opt(0.15, "A new placement must improve |log(fresh coverage / target)| by more than "
                                         "this (hysteresis against noise).", ge=0)
     placement_ema: float = opt(0.3, "Weight of the newest window in the planner's smoothed rates.", gt=0, le=1)
+    starve_idle: float = opt(0.05, "Trainers that waited for data more than this fraction of their steps at a placement "
+                                   "(mean over its windows after the first) while the rollout workers were busy mark "
+                                   "it as starved: the planner moves a trainer replica back when that is predicted "
+                                   "faster, and proposes no more until the measured rates change.", gt=0, lt=1)
     min_trainers: int = opt(1, "Fewest trainer replicas the planner may choose.", ge=1)
     min_rollouts: int = opt(1, "Fewest rollout instances the planner may choose.", ge=1)
     adaptive: bool = opt(True, "Adaptive generation scheduling: each rollout worker's concurrency cap follows its KV "
@@ -736,6 +740,22 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
 
 
 _VALIDATORS: list[tuple[Callable[[Config], None], bool]] = []
+
+
+def notices(cfg: Config) -> list[str]:
+    """Settings that are valid but are unlikely to do what they seem to (one line each; printed once
+    at start by the run and by the simulator)."""
+    out = []
+    r = cfg.reflow
+    if r.mode == "reflow" and r.sigma > 0 and r.delta < 2:
+        # A streaming batch is composed as a version is published, so it trains samples at least one
+        # step old; after that step they are two steps old. Only samples trained on-policy (a trainer that
+        # waited for them) could be replayed within δ = 1.
+        out.append(f"notice: reflow.delta = {r.delta}: a streaming batch trains samples at least one step stale, so "
+                   f"only samples trained on-policy (after the trainer waited for them) can be replayed and "
+                   f"reflow.sigma = {r.sigma:g} has little effect (replay needs reflow.delta ≥ 2; the paper's "
+                   f"δ = 1 counts weight syncs made every few steps: README, Simulator)")
+    return out
 
 
 def _load_registrations(cfg: Config) -> None:

@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import Config, ConfigError, load, main_guard
+from .config import Config, ConfigError, load, main_guard, notices
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -349,8 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load(args.config, args.overrides)
         if not args.check:
             check_resume(cfg)
-        from .comm.mpi import under_launcher
-        if not under_launcher():
+        from .comm.mpi import launcher_rank, under_launcher
+        launched = under_launcher()
+        relaunched = os.environ.get("REFLOW_RELAUNCHED") == "1"
+        if not launched or (launcher_rank() == "0" and not relaunched):   # once: the front end, or rank 0 of srun
+            for line in notices(cfg):
+                print(f"reflow_hpc: {line}", file=sys.stderr, flush=True)
+        if not launched:
             if not args.check and (cfg.model.warmstart or cfg.model.init_config):
                 from .warmstart import ensure_policy
                 ensure_policy(cfg)

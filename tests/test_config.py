@@ -108,6 +108,24 @@ def test_shipped_configs_load():
         C.load(path, check_files=False)
 
 
+def test_notices_name_a_reflow_delta_that_leaves_nothing_to_replay():
+    at = lambda *sets: C.notices(C.load(ROOT / "configs" / "cpu_tiny.toml", list(sets), check_files=False))
+    (line,) = at("reflow.delta=1")
+    assert line.startswith("notice: reflow.delta = 1:") and "reflow.sigma = 0.5" in line
+    assert at("reflow.delta=2") == [] and at("reflow.delta=1", "reflow.sigma=0") == []
+    assert at("reflow.delta=1", "reflow.mode=fully_async", "reflow.sigma=0") == []
+
+
+def test_the_run_prints_a_notice_once_before_it_starts_the_ranks():
+    # --check skips the warm start; the missing launcher then ends the run before any rank starts.
+    r = python_m("reflow_hpc.run", str(ROOT / "configs" / "cpu_tiny.toml"), "--check", "--set", "reflow.delta=1",
+                 "--set", "run.mpiexec=no-such-mpiexec")
+    assert r.returncode == 2, r.stderr
+    assert [ln for ln in r.stderr.splitlines() if "notice:" in ln] == \
+        [f"reflow_hpc: {C.notices(C.load(ROOT / 'configs' / 'cpu_tiny.toml', ['reflow.delta=1']))[0]}"]
+    assert "run.mpiexec" in r.stderr
+
+
 def test_shipped_configs_that_share_a_policy_warm_start_it_alike():
     """Two configs with one model.path must describe one warm start, or running one after the other
     is refused (warmstart.ensure_policy)."""

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from reflow_hpc.config import notices
 from reflow_hpc.core.modes import MODES, rules
 from reflow_hpc.sim.costs import Costs
 from reflow_hpc.sim.engine import Simulation
@@ -253,3 +254,15 @@ def test_the_collector_setting_changes_speed_only_and_is_restored(monkeypatch):
         runs.append(json.dumps(res.summary, sort_keys=True, default=str))
         assert gc.get_threshold() == before
     assert runs[0] == runs[1]
+
+
+def test_replay_needs_delta_two_as_the_config_notice_says():
+    """At δ = 1 a streaming batch trains samples one step stale, which the next step evicts: nothing is
+    replayed on a workload whose trainers do not starve (config.notices says so); δ = 2 replays."""
+    longer = ["trainer.steps=16", "sim.warmup_steps=4"]
+    at1, _ = run("reflow", "reflow.delta=1", *longer)
+    at2, _ = run("reflow", "reflow.delta=2", *longer)
+    assert at1.summary["replay_fraction"] < 0.02 < 0.05 < at2.summary["replay_fraction"]
+    assert at1.summary["staleness_mean"] >= 0.99
+    assert any("reflow.delta = 1" in line for line in notices(at1.sim.cfg))
+    assert notices(at2.sim.cfg) == []

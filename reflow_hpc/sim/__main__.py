@@ -24,7 +24,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..config import main_guard
+from ..config import main_guard, notices
 from . import calibrate as cal
 from .report import ratios, simulate, table
 from .workload import MODE_ORDER
@@ -43,6 +43,7 @@ def run_config(args) -> int:
         raise SystemExit(f"sim: unknown mode {unknown[0]!r} (modes: {', '.join(MODE_ORDER)})")
     gpu_list = [int(g) for g in args.gpus.split(",")] if args.gpus else [None]
     rows, by_gpus, timelines = [], {}, []
+    noted: set[str] = set()
     for gpus in gpu_list:
         here = []
         for mode in modes:
@@ -51,6 +52,10 @@ def run_config(args) -> int:
             here.append(row)
             print(f"sim: {mode} on {row['gpus']} GPU(s): {row['throughput_tokens_per_s']:,.0f} tokens/s "
                   f"({row['events']:,} events)", file=sys.stderr, flush=True)
+            for line in notices(res.sim.cfg):
+                if line not in noted:
+                    noted.add(line)
+                    print(f"sim: {line}", file=sys.stderr, flush=True)
             if res.sim.timeline is not None:
                 timelines.append((row, res.sim.timeline))
         rows += here
