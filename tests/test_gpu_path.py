@@ -21,8 +21,10 @@ def test_128_gpu_config_validates_without_its_files_and_holds_the_papers_setting
     cfg = C.load(BIG, check_files=False)
     res = cfg.resources
     assert (res.workers, res.trainer_replicas, res.trainer_shard_size, res.rollout_instances) == (128, 8, 8, 64)
-    assert (cfg.reflow.mode, cfg.reflow.sigma, cfg.reflow.tau, cfg.reflow.delta, cfg.reflow.b_max) == \
-        ("reflow", 0.5, 0.5, 1, 0)
+    # δ = 3 optimizer steps: the paper's δ = 1 counted in weight syncs made every 2 steps (README, Simulator).
+    assert (cfg.reflow.mode, cfg.reflow.sigma, cfg.reflow.tau, cfg.reflow.delta, cfg.reflow.b_max,
+            cfg.reflow.sync_every) == ("reflow", 0.5, 0.5, 3, 0, 1)
+    assert C.notices(cfg) == []
     assert (cfg.trainer.batch_size, cfg.algorithm.group_size) == (512 * 16, 16)
     assert (cfg.rollout.engine, cfg.model.dtype, cfg.task.name) == ("vllm", "bfloat16", "math_boxed")
 
