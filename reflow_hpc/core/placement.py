@@ -30,6 +30,20 @@ and the placement with the smallest mismatch is proposed (ties: the current plac
 rollout workers). It is applied only when (1) at least ``cooldown_steps`` steps passed since the
 last change, and (2) it improves the mismatch of the current placement by more than ``margin``
 (hysteresis: noise around a balance point does not move workers back and forth).
+
+Starvation ceiling. The model balances mean rates, but a step needs its fresh samples when it
+starts: near the balance point the fresh supply of some steps falls short (group completion, the
+length mix, a greedy batch that took every fresh sample after a wait), and all trainers wait. The
+rollout rate measured below saturation also underestimates capacity (production is capped by the
+``b_max`` window), so the planner approaches the balance point from the trainer side and can pass
+the best split. Hence: when, over the windows at a placement after the first (which refills the
+pipeline), at least ``cooldown_steps`` of them, the trainers waited on average more than
+``starve_idle`` of the step while the rollout workers were busy (mean idle below ``starve_idle``),
+its mean step time is what its fresh supply allows. If the next placement with fewer trainer
+replicas, ``k``, would step faster even when bound by its trainers (``t / k`` below that mean), the
+placement has too many trainers: the planner moves at once (no margin needed) to the best placement
+with at most ``k`` and proposes no more than ``k`` trainer replicas until the predicted fresh coverage of every placement (∝ ``p·t``)
+has grown by more than ``2·margin`` (in log) since then: the workload changed in favour of training.
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ class PlacementSettings:
     ema_alpha: float = 0.3
     cooldown_steps: int = 5
     margin: float = 0.15             # in units of log
+    starve_idle: float = 0.05        # trainer wait (fraction of a step) that marks a placement as starved
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,9 @@ class PlacementPlanner:
         self.steps_since_change = 0
         self.last_mismatch = math.nan
         self.proposed = n_trainers
+        self.ceiling: int | None = None  # most trainer replicas the planner may propose (starvation ceiling)
+        self.ceiling_rates = (0.0, 0.0)  # (p, t) when the ceiling was set
+        self._idle = [0.0, 0.0, 0.0, 0]  # Σ idle_T, Σ idle_R, Σ step_s, windows at this placement after its first
 
     # -- feasible placements ------------------------------------------------------------------
 
@@ -106,21 +124,54 @@ class PlacementPlanner:
         if w.replay_supply is not None:
             r = min(w.replay_supply, self.s.sigma * self.s.batch_size)
             self.supply = r if self.supply is None else a * r + (1 - a) * self.supply
-        scores = {k: self.mismatch(k) for k in self.feasible()}
+        starved_step_s = self._starved(w)
+        if self.ceiling is not None and self._rates_moved():
+            self.ceiling = None
+        fewer = [k for k in self.feasible() if k < n_t]
+        if starved_step_s is not None and fewer and self.train_s / max(fewer) < starved_step_s:
+            self.ceiling = max(fewer)
+            self.ceiling_rates = (self.rate, self.train_s)
+        feasible = [k for k in self.feasible() if self.ceiling is None or k <= self.ceiling or k == n_t]
+        scores = {k: self.mismatch(k) for k in feasible}
         self.last_mismatch = scores.get(self.current, math.nan)
-        self.proposed = min(scores, key=lambda k: (scores[k], k != self.current, k))
+        above = self.ceiling is not None and n_t > self.ceiling
+        self.proposed = min((k for k in scores if not above or k != n_t),
+                            key=lambda k: (scores[k], k != self.current, k), default=n_t)
         if not self.s.elastic or self.proposed == self.current:
             return None
         if self.steps_since_change < self.s.cooldown_steps:
             return None
-        if not scores[self.proposed] + self.s.margin < self.last_mismatch:
+        if not above and not scores[self.proposed] + self.s.margin < self.last_mismatch:
             return None
         return self.proposed
+
+    def _starved(self, w: Window) -> float | None:
+        """The mean step time at this placement if its trainers waited for data while the rollout workers
+        were busy (module docstring), else None."""
+        if self.steps_since_change <= 1:
+            return None                  # the first window at a placement refills the pipeline
+        acc = self._idle
+        acc[0] += w.idle_trainer
+        acc[1] += w.idle_rollout
+        acc[2] += w.step_s
+        acc[3] += 1
+        n = acc[3]
+        if n >= self.s.cooldown_steps and acc[0] / n > self.s.starve_idle and acc[1] / n < self.s.starve_idle:
+            return acc[2] / n
+        return None
+
+    def _rates_moved(self) -> bool:
+        """Has the supply a placement predicts (∝ p·t) grown by more than 2·margin since the ceiling?"""
+        p0, t0 = self.ceiling_rates
+        if p0 <= 0 or t0 <= 0 or not self.rate or not self.train_s:
+            return True
+        return math.log(self.rate * self.train_s / (p0 * t0)) > 2 * self.s.margin
 
     def applied(self, n_t: int) -> None:
         """The placement changed to ``n_t`` trainer replicas (rates are re-measured from here)."""
         self.current = n_t
         self.steps_since_change = 0
+        self._idle = [0.0, 0.0, 0.0, 0]
 
     def mismatch(self, n_t: int) -> float:
         """|log(predicted fresh coverage / target)| of the placement with ``n_t`` trainer replicas."""
