@@ -42,8 +42,9 @@ pipeline), at least ``cooldown_steps`` of them, the trainers waited on average m
 its mean step time is what its fresh supply allows. If the next placement with fewer trainer
 replicas, ``k``, would step faster even when bound by its trainers (``t / k`` below that mean), the
 placement has too many trainers: the planner moves at once (no margin needed) to the best placement
-with at most ``k`` and proposes no more than ``k`` trainer replicas until the predicted fresh coverage of every placement (∝ ``p·t``)
-has grown by more than ``2·margin`` (in log) since then: the workload changed in favour of training.
+with at most ``k``, and proposes no more than ``k`` trainer replicas until the predicted fresh
+coverage of every placement (∝ ``p·t``) has grown by more than ``2·margin`` (in log) since then, that
+is until the workload changed in favour of training.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class PlacementPlanner:
         self.proposed = n_trainers
         self.ceiling: int | None = None  # most trainer replicas the planner may propose (starvation ceiling)
         self.ceiling_rates = (0.0, 0.0)  # (p, t) when the ceiling was set
-        self._idle = [0.0, 0.0, 0.0, 0]  # Σ idle_T, Σ idle_R, Σ step_s, windows at this placement after its first
+        self._here = [0.0, 0.0, 0.0, 0]  # Σ idle_T, Σ idle_R, Σ step_s, windows at this placement after its first
 
     # -- feasible placements ------------------------------------------------------------------
 
@@ -150,7 +151,7 @@ class PlacementPlanner:
         were busy (module docstring), else None."""
         if self.steps_since_change <= 1:
             return None                  # the first window at a placement refills the pipeline
-        acc = self._idle
+        acc = self._here
         acc[0] += w.idle_trainer
         acc[1] += w.idle_rollout
         acc[2] += w.step_s
@@ -171,7 +172,7 @@ class PlacementPlanner:
         """The placement changed to ``n_t`` trainer replicas (rates are re-measured from here)."""
         self.current = n_t
         self.steps_since_change = 0
-        self._idle = [0.0, 0.0, 0.0, 0]
+        self._here = [0.0, 0.0, 0.0, 0]
 
     def mismatch(self, n_t: int) -> float:
         """|log(predicted fresh coverage / target)| of the placement with ``n_t`` trainer replicas."""
