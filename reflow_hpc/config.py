@@ -61,8 +61,7 @@ class RunConfig:
     seed: int = opt(0, "Seed of every random stream (prompts, sampling, replay sampler, init).", ge=0)
     timeout_s: float = opt(120.0, "Upper bound of every wait on another rank (MPI_Init, handshake, "
                                   "control message, fetch, collective; the error names the rank and the operation), "
-                                  "and of a "
-                                  "rank's exit after MPI_Finalize (past it SIGALRM ends the rank).", gt=0)
+                                  "and of a rank's exit after MPI_Finalize (past it SIGALRM ends the rank).", gt=0)
     setup_timeout_s: float = opt(240.0, "Upper bound of a training run's set-up on every rank (loading the "
                                         "model, building engine and trainer, joining torch.distributed); the "
                                         "coordinator names the ranks that did not report ready.", gt=0)

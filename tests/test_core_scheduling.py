@@ -33,15 +33,21 @@ def window(p_per_worker, train_step_s_one_replica, pl: PlacementPlanner, noise=1
     return Window(produced=max(produced, 1), step_s=step_s, idle_trainer=idle_t, idle_rollout=idle_r)
 
 
-def run(pl, p, t, steps, noise_sd=0.0, seed=0):
-    rng = random.Random(seed)
+def drive(pl, make_window, steps):
+    """Feed ``steps`` windows of ``make_window(pl)`` to the planner, applying what it proposes; the
+    placement after each window."""
     history = []
     for _ in range(steps):
-        new = pl.observe(window(p, t, pl, noise=1 + rng.gauss(0, noise_sd)))
+        new = pl.observe(make_window(pl))
         if new is not None:
             pl.applied(new)
         history.append(pl.current)
     return history
+
+
+def run(pl, p, t, steps, noise_sd=0.0, seed=0):
+    rng = random.Random(seed)
+    return drive(pl, lambda pl: window(p, t, pl, noise=1 + rng.gauss(0, noise_sd)), steps)
 
 
 def test_feasible_placements_respect_the_shapes():
@@ -107,12 +113,7 @@ def test_a_split_that_starves_its_trainers_is_left_for_a_faster_one_and_not_trie
     # 8 workers, p = 4 samples/s per rollout worker, t = 8 s of compute per step on one replica: 4 trainers
     # cover 32 ≥ 1.8 × 16 and step in 2.0 s; 5 cover 19.2 (the linear model's balance) and step in 2.4 s.
     pl = planner(n_t=2)
-    history = []
-    for _ in range(60):
-        new = pl.observe(knife_edge_window(4.0, 8.0, pl, slack=1.8))
-        if new is not None:
-            pl.applied(new)
-        history.append(pl.current)
+    history = drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.8), 60)
     assert 5 in history                          # the model's balance point was tried ...
     assert set(history[-25:]) == {4}, history    # ... and left for the faster split, for good
     assert pl.ceiling == 4
@@ -121,10 +122,7 @@ def test_a_split_that_starves_its_trainers_is_left_for_a_faster_one_and_not_trie
 def test_a_starved_split_stays_when_fewer_trainers_would_be_slower():
     # slack 1.3: 5 trainers wait, but step in 1.73 s, faster than 4 trainers' 2.0 s: stay at 5.
     pl = planner(n_t=2)
-    for _ in range(60):
-        new = pl.observe(knife_edge_window(4.0, 8.0, pl, slack=1.3))
-        if new is not None:
-            pl.applied(new)
+    drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.3), 60)
     assert pl.current == 5 and pl.ceiling is None
 
 
@@ -190,12 +188,9 @@ def test_replay_that_cannot_fill_its_slots_counts_as_missing_fresh_samples():
     not (1 − σ)·b, and a split that produces only (1 − σ)·b per step is generation-bound."""
     def windows(supply, produced=32, idle=0.5):
         pl = planner(n_t=4)              # 4 trainers, 4 rollout workers; b = 32, σ = 0.5
-        for _ in range(12):
-            # Each step (2 s): the trainers compute for (1 − idle) of it; they waited the rest for fresh samples.
-            new = pl.observe(Window(produced=produced, step_s=2.0, idle_trainer=idle, idle_rollout=0.0,
-                                    replay_supply=supply))
-            if new is not None:
-                pl.applied(new)
+        # Each step (2 s): the trainers compute for (1 − idle) of it; they waited the rest for fresh samples.
+        drive(pl, lambda pl: Window(produced=produced, step_s=2.0, idle_trainer=idle, idle_rollout=0.0,
+                                    replay_supply=supply), 12)
         return pl
     starved = windows(supply=0)
     assert starved.fresh_target() == 32 and starved.current < 4

@@ -128,11 +128,12 @@ class PlacementPlanner:
         starved_step_s = self._starved(w)
         if self.ceiling is not None and self._rates_moved():
             self.ceiling = None
-        fewer = [k for k in self.feasible() if k < n_t]
+        everything = self.feasible()
+        fewer = [k for k in everything if k < n_t]
         if starved_step_s is not None and fewer and self.train_s / max(fewer) < starved_step_s:
             self.ceiling = max(fewer)
             self.ceiling_rates = (self.rate, self.train_s)
-        feasible = [k for k in self.feasible() if self.ceiling is None or k <= self.ceiling or k == n_t]
+        feasible = [k for k in everything if self.ceiling is None or k <= self.ceiling or k == n_t]
         scores = {k: self.mismatch(k) for k in feasible}
         self.last_mismatch = scores.get(self.current, math.nan)
         above = self.ceiling is not None and n_t > self.ceiling

@@ -463,9 +463,8 @@ class Simulation:
         heapq.heappush(self.queue, (t, self.seq, kind, a, b))
 
     def run(self) -> "Simulation":
-        # CPython's cyclic collector runs a young collection every 700 net allocations by default; a
-        # run allocates millions of short-lived records and makes few cycles, so collections are made
-        # rarer while it runs (1,024 GPUs × 40 steps: 9.7–9.9 → 7.5–8.0 s; the same results).
+        # A run allocates millions of short-lived records and makes few cycles: young collections are
+        # made rarer while it runs (1,024 GPUs × 40 steps: 9.7–9.9 → 7.5–8.0 s; the same results).
         saved = gc.get_threshold()
         gc.set_threshold(GC_YOUNG_THRESHOLD, *saved[1:])
         try:
