@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from reflow_hpc.config import notices
+from reflow_hpc.core.commands import Train, TrainSample
 from reflow_hpc.core.modes import MODES, rules
 from reflow_hpc.sim.costs import Costs
-from reflow_hpc.sim.engine import Simulation
+from reflow_hpc.sim.engine import Request, Simulation
 from reflow_hpc.sim.lengths import SampleShape
 from reflow_hpc.sim.report import simulate, summarise
 from reflow_hpc.sim.workload import build_coordinator, load_mode, placement
@@ -266,3 +267,28 @@ def test_replay_needs_delta_two_as_the_config_notice_says():
     assert at1.summary["staleness_mean"] >= 0.99
     assert any("reflow.delta = 1" in line for line in notices(at1.sim.cfg))
     assert notices(at2.sim.cfg) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(mode=st.sampled_from(list(MODES)), delta=st.integers(1, 4), step=st.integers(0, 6),
+       staleness=st.lists(st.integers(-2, 8), min_size=1, max_size=6))
+def test_a_share_keeps_its_guarantee_when_its_extremes_do(mode, delta, step, staleness):
+    """The simulator checks a share's least and greatest staleness only (``check_staleness``): every
+    mode's allowed staleness is an interval, so the extremes decide for every token."""
+    r = rules(mode)
+    assert all(r.staleness_ok(s, delta, step) for s in staleness) == (
+        r.staleness_ok(min(staleness), delta, step) and r.staleness_ok(max(staleness), delta, step))
+
+
+def test_a_token_staler_than_the_mode_allows_stops_the_run_and_names_its_sample():
+    sim = run("sync")[0].sim
+    sid = 10 ** 6                       # a payload of a sample that no step drew
+    r = sim.samples[sid] = Request(sid, 0, 0, SampleShape(prompt_tokens=4, turns=(8,), reward=1.0), prompt_cached=False)
+    # Tokens of versions 0 and 2 (as the engine records them when the sample finishes), trained at
+    # version 2: 2 and 0 steps behind.
+    r.segments, r.oldest, r.newest = [[0, 3], [2, 5]], 0, 2
+    share = Train(0, 2, 2, (TrainSample(sid, 0, 0.0, 1.0, False, 0),), 8, 0, 1)
+    with pytest.raises(RuntimeError, match=rf"step 2: sample {sid} has 3 token\(s\) 2 step\(s\) behind version 2"):
+        sim.check_staleness(share)
+    r.segments, r.oldest, r.newest = [[2, 8]], 2, 2
+    assert sim.check_staleness(share) == (0, 0)        # sync at step 2: exactly 0 behind

@@ -292,8 +292,10 @@ class Coordinator:
 
     def rollout_progress(self, worker: int, *, idle_s: float, generated_tokens: int) -> None:
         """A worker's cumulative rollout idle time and generated tokens (heartbeats, finished samples)."""
-        self.rollout_idle[worker] = max(self.rollout_idle[worker], idle_s)
-        self.generated[worker] = max(self.generated[worker], generated_tokens)
+        if idle_s > self.rollout_idle[worker]:          # (comparisons: it runs for every finished sample)
+            self.rollout_idle[worker] = idle_s
+        if generated_tokens > self.generated[worker]:
+            self.generated[worker] = generated_tokens
 
     def engine_load(self, worker: int, load: EngineLoad, now: float) -> list[Any]:
         """A rollout worker's engine load: the slow controller may change its concurrency cap."""
@@ -646,8 +648,8 @@ class Coordinator:
         total_tokens = sum(batch.loss_tokens)
         shares = _split_balanced(batch.loss_tokens, len(self.trainers))
         for replica, (worker, idx) in enumerate(zip(self.trainers, shares)):
-            samples = tuple(TrainSample(batch.sample_ids[i], batch.owners[i], batch.advantages[i],
-                                        batch.loss_weights[i], batch.is_replay[i], batch.staleness[i]) for i in idx)
+            samples = tuple([TrainSample(batch.sample_ids[i], batch.owners[i], batch.advantages[i],
+                                         batch.loss_weights[i], batch.is_replay[i], batch.staleness[i]) for i in idx])
             out.append(Train(worker, batch.step, batch.version, samples, total_tokens, replica, len(self.trainers)))
 
     def _dispatch(self, out: list[Any], now: float) -> None:
@@ -882,8 +884,8 @@ def _split_balanced(loss_tokens: tuple[int, ...], parts: int) -> list[list[int]]
     it O(n log p) for the simulator's thousand-worker runs)."""
     shares: list[list[int]] = [[] for _ in range(parts)]
     heap = [(0, 0, p) for p in range(parts)]                  # (load, count, part): ties go to the lower part
-    for i in sorted(range(len(loss_tokens)), key=lambda i: -loss_tokens[i]):
-        load, count, j = heapq.heappop(heap)
+    for i in sorted(range(len(loss_tokens)), key=loss_tokens.__getitem__, reverse=True):   # stable, as ascending -n
+        load, count, j = heap[0]
         shares[j].append(i)
-        heapq.heappush(heap, (load + loss_tokens[i], count + 1, j))
+        heapq.heapreplace(heap, (load + loss_tokens[i], count + 1, j))
     return [sorted(s) for s in shares]

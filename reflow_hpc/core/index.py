@@ -471,21 +471,22 @@ class ReplayIndex:
             rec.state = TRAINING
         self._count[TRAINING] += len(recs)
         version = self._version
-        is_replay = tuple(rec.times_used > 0 for rec in recs)
-        tokens = tuple(rec.loss_tokens for rec in recs)
+        # (list comprehensions: a batch is thousands of samples in the simulator, and tuple(generator) is slower)
+        is_replay = tuple([rec.times_used > 0 for rec in recs])
+        tokens = tuple([rec.loss_tokens for rec in recs])
         lam = r / b
         batch = Batch(
             step=self._step, version=version,
-            sample_ids=tuple(rec.sample_id for rec in recs),
-            owners=tuple(rec.owner for rec in recs),
+            sample_ids=tuple([rec.sample_id for rec in recs]),
+            owners=tuple([rec.owner for rec in recs]),
             is_replay=is_replay,
-            advantages=tuple(rec.advantage for rec in recs),
+            advantages=tuple([rec.advantage for rec in recs]),
             loss_weights=tuple(loss_weights(is_replay, tokens, self.tau, [rec.base_weight for rec in recs])),
             loss_tokens=tokens,
-            staleness=tuple(version - rec.min_version for rec in recs),
-            rewards=tuple(rec.reward for rec in recs),
-            times_used=tuple(rec.times_used for rec in recs),
-            queue_s=tuple(now - rec.finished_at for rec in recs),
+            staleness=tuple([version - rec.min_version for rec in recs]),
+            rewards=tuple([rec.reward for rec in recs]),
+            times_used=tuple([rec.times_used for rec in recs]),
+            queue_s=tuple([now - rec.finished_at for rec in recs]),
             replay_fraction=lam,
             alpha=mixing_weight(lam, self.tau),
         )

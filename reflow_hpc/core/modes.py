@@ -38,7 +38,9 @@ class ModeRules:
     exact_staleness: int | None   # every trained token is exactly this many steps behind (None: ≤ δ)
 
     def staleness_ok(self, staleness: int, delta: int, step: int) -> bool:
-        """Whether a token trained at 0-based ``step`` with this staleness keeps the mode's guarantee."""
+        """Whether a token trained at 0-based ``step`` with this staleness keeps the mode's guarantee.
+        The allowed staleness values form an interval (checkers rely on it: a batch keeps the guarantee
+        when its least and greatest staleness do)."""
         if self.exact_staleness is None:
             return 0 <= staleness <= delta
         return staleness == min(self.exact_staleness, step)

@@ -48,6 +48,7 @@ import gc
 import heapq
 import math
 import random
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -76,7 +77,7 @@ class Request:
     """One sample on its engine."""
     __slots__ = ("sid", "group_id", "prompt_id", "prompt", "turns", "turn", "turn_end", "generated", "obs",
                  "start", "off", "finish_at", "segments", "reprefill", "prompt_cached", "state", "reward", "epoch",
-                 "tool_at")
+                 "tool_at", "oldest", "newest", "total")
 
     def __init__(self, sid: int, group_id: int, prompt_id: int, shape: SampleShape, prompt_cached: bool):
         self.sid, self.group_id, self.prompt_id = sid, group_id, prompt_id
@@ -96,6 +97,9 @@ class Request:
         self.reward = shape.reward
         self.epoch = 0
         self.tool_at = 0.0                      # when its tool call returns (state TOOL)
+        # Set when it finishes (its tokens no longer change): versions of its oldest and newest tokens
+        # (sys.maxsize and -1 when it has none), and its context.
+        self.oldest, self.newest, self.total = sys.maxsize, -1, 0
 
     def context(self) -> int:
         return self.prompt + self.generated + self.obs
@@ -653,10 +657,13 @@ class Simulation:
         samples = []
         for r in done:
             versions = [v for v, n in r.segments if n > 0]
-            lo, hi = (min(versions), max(versions)) if versions else (w.version, w.version)
+            if versions:
+                r.oldest, r.newest = lo, hi = min(versions), max(versions)
+            else:
+                lo = hi = w.version
+            r.total = r.context()
             self.samples[r.sid] = r
-            samples.append((r.sid, r.reward, lo, hi, r.generated, "length" if r.generated >= cap else "stop",
-                            r.context()))
+            samples.append((r.sid, r.reward, lo, hi, r.generated, "length" if r.generated >= cap else "stop", r.total))
         wid, idle, generated = w.wid, w.idle_now(now), int(w.generated_tokens)
         load = self.load_report(w, now) if w.is_rollout else None
 
@@ -703,7 +710,7 @@ class Simulation:
         parts = {}
         per_sample = self.cfg.sim.fetch_s_per_sample
         for wid, (c_, _, _) in col.arrived.items():
-            lengths = [self.samples[s.sample_id].context() for s in c_.samples]
+            lengths = [self.samples[s.sample_id].total for s in c_.samples]
             total += sum(lengths)
             samples += len(lengths)
             fb, update = self.costs.train_parts(self.workers[wid].gpus, lengths, mode)
@@ -724,22 +731,22 @@ class Simulation:
 
     def check_staleness(self, cmd: Train) -> tuple[int, int]:
         """(min, max) staleness of every token of this share, which must keep the mode's guarantee
-        (``runtime/worker.py`` ``_check_staleness``)."""
-        lo, hi = cmd.version, 0
-        delta = self.cfg.reflow.delta
-        for s in cmd.samples:
-            for v, n in self.samples[s.sample_id].segments:
-                if n <= 0:
-                    continue
-                st = cmd.version - v
-                if st < lo:
-                    lo = st
-                if st > hi:
-                    hi = st
-                if not self.rules.staleness_ok(st, delta, cmd.step):
-                    raise RuntimeError(f"sim: step {cmd.step}: sample {s.sample_id} has {n} token(s) {st} step(s) "
-                                       f"behind version {cmd.version}, which mode {self.rules.mode} does not allow "
-                                       f"(δ = {delta})")
+        (``runtime/worker.py`` ``_check_staleness``). Each mode allows an interval of staleness
+        (:meth:`~reflow_hpc.core.modes.ModeRules.staleness_ok`), so every token keeps it when the least
+        and the greatest staleness do (a sample's oldest and newest token versions are taken from its
+        segments when it finishes); only then is the sample at fault looked for."""
+        samples, rules, delta = self.samples, self.rules, self.cfg.reflow.delta
+        share = [samples[s.sample_id] for s in cmd.samples]
+        newest = max([r.newest for r in share], default=-1)
+        lo, hi = (cmd.version - newest, cmd.version - min([r.oldest for r in share])) if newest >= 0 else (cmd.version, 0)
+        if not (rules.staleness_ok(lo, delta, cmd.step) and rules.staleness_ok(hi, delta, cmd.step)):
+            for s in cmd.samples:
+                for v, n in samples[s.sample_id].segments:
+                    st = cmd.version - v
+                    if n > 0 and not rules.staleness_ok(st, delta, cmd.step):
+                        raise RuntimeError(f"sim: step {cmd.step}: sample {s.sample_id} has {n} token(s) {st} "
+                                           f"step(s) behind version {cmd.version}, which mode {rules.mode} does not "
+                                           f"allow (δ = {delta})")
         if self.on_train is not None:
             self.on_train(cmd, [[tuple(seg) for seg in self.samples[s.sample_id].segments] for s in cmd.samples],
                           self.now)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,9 +32,9 @@ import numpy as np
 _LENGTH_STREAM = 0x51A7
 
 
-@dataclass(frozen=True)
-class SampleShape:
-    """What the simulator needs to know of one sample before generating it."""
+class SampleShape(NamedTuple):
+    """What the simulator needs to know of one sample before generating it (a tuple: one is made per
+    simulated sample)."""
     prompt_tokens: int
     turns: tuple[int, ...]          # generated tokens of each turn (one entry when single-turn)
     reward: float
