@@ -44,6 +44,7 @@ Zero-cost steps (documented simplifications)
 
 from __future__ import annotations
 
+import functools
 import gc
 import heapq
 import math
@@ -51,7 +52,7 @@ import random
 import sys
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Final
 
 from ..core.commands import (Cancel, Checkpoint, Dispatch, Drop, Resume, SaveCheckpoint, SetCap, Setup, Snapshot,
                              Switch, Sync, Train)
@@ -62,15 +63,24 @@ from .costs import Costs, decode_steps, decode_time
 from .lengths import LengthModel, SampleShape
 from .workload import Placement
 
-# Event kinds of the queue.
-_ENGINE, _DONE, _READY, _TOOL, _TICK, _MESSAGE = range(6)
+# Event kinds of the queue. (Final: the compiled engine inlines them instead of looking up globals.)
+_ENGINE: Final = 0
+_DONE: Final = 1
+_READY: Final = 2
+_TOOL: Final = 3
+_TICK: Final = 4
+_MESSAGE: Final = 5
 # Steps within this of a request's end count as the end (float arithmetic of the closed forms).
-_EPS_STEPS = 1e-6
+_EPS_STEPS: Final = 1e-6
 # Net allocations between the collector's young collections while a run is simulated (CPython's
 # default is 700); only speed depends on it.
 GC_YOUNG_THRESHOLD = 100_000
 # Request states.
-QUEUED, RUNNING, TOOL, HELD, DONE = "queued", "running", "tool", "held", "done"
+QUEUED: Final = "queued"
+RUNNING: Final = "running"
+TOOL: Final = "tool"
+HELD: Final = "held"
+DONE: Final = "done"
 
 
 class Request:
@@ -138,9 +148,11 @@ class Worker:
         self.s_off = 0.0
         self.resume_at = 0.0                    # decoding stalls (prefill) until then
         self.stall_left = 0.0                   # stall remaining when a blocking command paused it
-        self.heap: list = []                    # (finish_at, tie, epoch, request) of running requests
+        # (finish_at, tie, epoch, request) of running requests; typed, as the other containers, so that
+        # the compiled engine (tools/compile_sim.py) reads their fields directly.
+        self.heap: list[tuple[float, int, int, Request]] = []
         self.tie = 0
-        self.queue: deque = deque()
+        self.queue: deque[Request] = deque()
         self.admitted: dict[int, Request] = {}  # running requests in admission order (preemption victim last)
         self.live: dict[int, Request] = {}      # every request in flight here (queued, running, tool)
         self.holdings: dict[int, Request] = {}  # handed over at a switch, until another worker resumes them
@@ -148,6 +160,7 @@ class Worker:
         self.target = 0.0                       # step count of the scheduled engine event
         self.target_is_kv = False               # that event is a full KV cache, not a turn end
         self.kv_capacity = place.engines * sim.costs.kv_capacity(place.tp)
+        self.kv_admit_limit = self.kv_capacity * (1.0 - sim.cfg.sim.kv_watermark)   # admission stops above it
         # Costs.decode_terms, its constants folded once (it is needed at every event).
         self._a0, self._a1, self._c0, self._c1 = sim.costs.decode_coefficients(place.tp, place.engines)
         self.cap = sim.coordinator.settings.cap_max
@@ -247,7 +260,7 @@ class Worker:
         costs = self.sim.costs
         flops = 0.0
         s_now = self.kv_used()
-        limit = self.kv_capacity * (1.0 - self.sim.cfg.sim.kv_watermark)
+        limit = self.kv_admit_limit
         while self.queue and self.n < self.cap:
             r = self.queue[0]
             ctx = r.context()
@@ -428,7 +441,7 @@ class Simulation:
         self.on_command, self.on_train, self.on_finished = on_command, on_train, on_finished
         self.check_invariants = check_invariants
         self.timeline: list[Activity] | None = [] if timeline else None
-        self.queue: list = []
+        self.queue: list[tuple[float, int, int, Any, Any]] = []      # (time, sequence, kind, a, b)
         self.seq = 0
         self.now = 0.0
         longest = self.costs.kv_capacity(place.tp)
@@ -449,6 +462,7 @@ class Simulation:
         self.trained_tokens = 0
         self.events = 0
         self.latency = cfg.sim.message_latency_s
+        self.max_new_tokens = cfg.rollout.max_new_tokens
         # Engine loads feed only the adaptive controller, which acts at most once per control interval
         # and worker (core/scheduling.py): a report within the interval changes nothing, so none is made.
         sch = coordinator.settings.scheduling
@@ -504,7 +518,7 @@ class Simulation:
             elif kind == _READY:
                 workers[a].trainer_idle_since = t
                 workers[a].update_idle(t)
-                self.send(lambda now, wid=a: self._ready(wid, now))
+                self.send(functools.partial(self._ready, a))
             elif kind == _TICK:
                 self.tick(t)
             if tick_always and kind != _TICK and not c.done:
@@ -651,7 +665,7 @@ class Simulation:
 
     def finished(self, w: Worker, done: list[Request], now: float) -> None:
         """Samples ended on ``w``: report them as ``runtime/worker.py`` does (one message)."""
-        cap = self.cfg.rollout.max_new_tokens
+        cap = self.max_new_tokens
         if self.on_finished is not None:
             self.on_finished(w.wid, done, now)
         samples = []
