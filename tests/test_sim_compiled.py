@@ -9,6 +9,7 @@ REFLOW_REQUIRE_MYPYC=1 (CI installs both), where that fails them.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -93,3 +94,21 @@ def test_a_compiled_module_whose_source_changed_refuses_to_import(trees, tmp_pat
     assert r.returncode == 0 and "removed 5 file(s)" in r.stdout, r.stdout + r.stderr
     r = in_tree(tree, "-c", "import reflow_hpc.sim as s; print(s.compiled())")
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr
+
+
+def test_bench_sim_measures_the_compiled_and_an_interpreted_copy_side_by_side(trees, tmp_path):
+    _, built = trees
+    tree = tmp_path / "bench"
+    shutil.copytree(built, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    (tree / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "bench_sim.py", tree / "tools")
+    r = in_tree(tree, "tools/bench_sim.py", "--config", str(ROOT / "configs" / "sim_cpu_tiny.toml"),
+                "--gpus", "4", "--steps", "2,3", "--interpreted", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [row["engine"] for row in out["rows"]] == ["compiled"] * 2
+    assert [row["engine"] for row in out["interpreted_rows"]] == ["interpreted"] * 2
+    # The same simulations: only the CPU time may differ.
+    for a, b in zip(out["rows"], out["interpreted_rows"]):
+        assert (a["samples"], a["events"], a["simulated_s"]) == (b["samples"], b["events"], b["simulated_s"])
+    assert out["compiled_speedup"] > 0 and "compiled vs interpreted" in r.stdout
