@@ -647,9 +647,10 @@ class Coordinator:
         self.reports = []
         total_tokens = sum(batch.loss_tokens)
         shares = _split_balanced(batch.loss_tokens, len(self.trainers))
+        items = list(map(TrainSample, batch.sample_ids, batch.owners, batch.advantages, batch.loss_weights,
+                         batch.is_replay, batch.staleness))
         for replica, (worker, idx) in enumerate(zip(self.trainers, shares)):
-            samples = tuple([TrainSample(batch.sample_ids[i], batch.owners[i], batch.advantages[i],
-                                         batch.loss_weights[i], batch.is_replay[i], batch.staleness[i]) for i in idx])
+            samples = tuple([items[i] for i in idx])
             out.append(Train(worker, batch.step, batch.version, samples, total_tokens, replica, len(self.trainers)))
 
     def _dispatch(self, out: list[Any], now: float) -> None:
