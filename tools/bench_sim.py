@@ -1,7 +1,7 @@
 """How the simulator's cost grows with GPUs and steps.
 
     python tools/bench_sim.py [--config CONFIG] [--mode reflow] [--gpus 64,256,1024] [--steps 10,20,40]
-                              [--batch N] [--split] [--interpreted] [--json]
+                              [--batch N] [--split] [--interpreted] [--repeat N] [--json]
 
 Each cell is one simulated run of ``--mode`` on CONFIG (default: the paper's workload,
 ``configs/sim_qwen3_8b_dapo.toml``) at that many GPUs and steps, in this process, one at a time.
@@ -12,8 +12,10 @@ public event method, wrapped with a timer that adds a little overhead of its own
 ``cpu = a + b·samples`` over the cells and give the 1,024-GPU × 500-step estimate at the batch size
 used. Each row says whether the event loop ran compiled (``tools/compile_sim.py``) or interpreted;
 ``--interpreted`` (with a compiled build) also runs every cell on an interpreted copy of the package,
-in a subprocess one cell after the other, and prints the ratio of the two CPU times. With ``--json``
-the last line is one JSON object.
+in a subprocess one cell after the other, and prints the ratio of the two CPU times. ``--repeat N``
+runs every cell N times (alternating with its interpreted run) and keeps the least CPU time of
+each: a shared VM's speed drifts by tens of percent within an hour. With ``--json`` the last line is
+one JSON object.
 """
 
 from __future__ import annotations
@@ -141,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", action="store_true", help="also measure the CPU time inside the coordinator")
     ap.add_argument("--interpreted", action="store_true",
                     help="also run each cell on an interpreted copy of the package (needs a compiled build)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each cell; the least CPU time is kept")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat}: must be at least 1")
     if args.interpreted and not compiled():
         ap.error("--interpreted compares with a compiled build: run python tools/compile_sim.py first")
     rows, others = [], []
@@ -153,12 +158,18 @@ def main(argv: list[str] | None = None) -> int:
                             ignore=shutil.ignore_patterns("*.so", "*.pyd", "_compiled.json", "__pycache__"))
         for gpus in [int(g) for g in args.gpus.split(",")]:
             for steps in [int(s) for s in args.steps.split(",")]:
-                rows.append(cell(args.config, args.mode, gpus, steps, args.batch, args.split))
-                print(line(rows[-1]), flush=True)
-                if args.interpreted:
-                    others.append(interpreted_cell(tree, args, gpus, steps))
-                    print(line(others[-1]) + f"  (compiled: {others[-1]['cpu_s'] / rows[-1]['cpu_s']:.2f}× faster)",
-                          flush=True)
+                runs, other_runs = [], []
+                for _ in range(args.repeat):
+                    runs.append(cell(args.config, args.mode, gpus, steps, args.batch, args.split))
+                    if args.interpreted:
+                        other_runs.append(interpreted_cell(tree, args, gpus, steps))
+                best = f"  (least of {args.repeat})" if args.repeat > 1 else ""
+                rows.append(min(runs, key=lambda r: r["cpu_s"]))
+                print(line(rows[-1]) + best, flush=True)
+                if other_runs:
+                    others.append(min(other_runs, key=lambda r: r["cpu_s"]))
+                    print(line(others[-1]) + best
+                          + f"  (compiled: {others[-1]['cpu_s'] / rows[-1]['cpu_s']:.2f}× faster)", flush=True)
     a, b = fit(rows)
     per_step = sum(r["samples"] / r["steps"] for r in rows) / len(rows)
     estimate = a + b * per_step * 500
