@@ -10,8 +10,8 @@
   cost model fitted to the machine of a ``tools/bench_modes.py`` run.
 
 ``python -m reflow_hpc.sim --help`` for the command line. ``tools/compile_sim.py`` compiles ``engine.py``,
-``costs.py`` and ``lengths.py`` with mypyc (the same runs, ≈ 1.3× faster); the check below keeps a stale
-build from shadowing its sources.
+``costs.py`` and ``lengths.py`` with mypyc (the same runs, ≈ 1.3× fewer instructions); the check below
+keeps a stale build from shadowing its sources.
 """
 
 from __future__ import annotations
