@@ -46,9 +46,18 @@ def find_mpiexec(cfg: Config) -> str:
     return found
 
 
+# Set by relaunch() for the ranks it starts under mpiexec.
+RELAUNCHED = "REFLOW_RELAUNCHED"
+
+
+def relaunched() -> bool:
+    """This process is one of the ranks that relaunch() started."""
+    return os.environ.get(RELAUNCHED) == "1"
+
+
 def relaunch(cfg: Config, argv: list[str]) -> int:
     """Run this same command as `resources.workers` MPI ranks and return the launcher's exit code."""
-    if os.environ.get("REFLOW_RELAUNCHED") == "1":
+    if relaunched():
         print("reflow_hpc: relaunched under mpiexec but no MPI launcher environment was found; "
               "check that run.mpiexec belongs to the MPI that mpi4py uses", file=sys.stderr)
         return 1
@@ -72,7 +81,7 @@ def relaunch(cfg: Config, argv: list[str]) -> int:
     hydra = "HYDRA" in subprocess.run([launcher, "--version"], capture_output=True, text=True).stdout
     watch = hydra and "--check" not in argv
     cmd = [launcher, *(["-disable-auto-cleanup"] if watch else []), "-n", str(cfg.resources.workers), *rank_cmd]
-    env = dict(os.environ, REFLOW_RELAUNCHED="1")
+    env = dict(os.environ, **{RELAUNCHED: "1"})
     # The launcher's output passes through here line by line, so that a rank killed without a word
     # (which only the launcher reports, by pid) can be explained in one line at the end.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -351,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             check_resume(cfg)
         from .comm.mpi import launcher_rank, under_launcher
         launched = under_launcher()
-        relaunched = os.environ.get("REFLOW_RELAUNCHED") == "1"
-        if not launched or (launcher_rank() == "0" and not relaunched):   # once: the front end, or rank 0 of srun
+        if not launched or (launcher_rank() == "0" and not relaunched()):   # once: the front end, or rank 0 of srun
             for line in notices(cfg):
                 print(f"reflow_hpc: {line}", file=sys.stderr, flush=True)
         if not launched:
