@@ -749,21 +749,20 @@ class Simulation:
         (:meth:`~reflow_hpc.core.modes.ModeRules.staleness_ok`), so every token keeps it when the least
         and the greatest staleness do (a sample's oldest and newest token versions are taken from its
         segments when it finishes); only then is the sample at fault looked for."""
-        samples, rules, delta = self.samples, self.rules, self.cfg.reflow.delta
-        share = [samples[s.sample_id] for s in cmd.samples]
+        rules, delta = self.rules, self.cfg.reflow.delta
+        share = [self.samples[s.sample_id] for s in cmd.samples]
         newest = max([r.newest for r in share], default=-1)
         lo, hi = (cmd.version - newest, cmd.version - min([r.oldest for r in share])) if newest >= 0 else (cmd.version, 0)
         if not (rules.staleness_ok(lo, delta, cmd.step) and rules.staleness_ok(hi, delta, cmd.step)):
-            for s in cmd.samples:
-                for v, n in samples[s.sample_id].segments:
+            for r in share:
+                for v, n in r.segments:
                     st = cmd.version - v
                     if n > 0 and not rules.staleness_ok(st, delta, cmd.step):
-                        raise RuntimeError(f"sim: step {cmd.step}: sample {s.sample_id} has {n} token(s) {st} "
+                        raise RuntimeError(f"sim: step {cmd.step}: sample {r.sid} has {n} token(s) {st} "
                                            f"step(s) behind version {cmd.version}, which mode {rules.mode} does not "
                                            f"allow (δ = {delta})")
         if self.on_train is not None:
-            self.on_train(cmd, [[tuple(seg) for seg in self.samples[s.sample_id].segments] for s in cmd.samples],
-                          self.now)
+            self.on_train(cmd, [[tuple(seg) for seg in r.segments] for r in share], self.now)
         return lo, hi
 
     def sync(self, w: Worker, cmd: Sync) -> None:
