@@ -8,7 +8,8 @@ simulator into an event of its cost model. None of them carries payload arrays.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from itertools import repeat
+from typing import Iterable, Iterator, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class DispatchedSample(NamedTuple):
     prompt_id: int
 
 
+def dispatched_samples(sample_ids: Iterable[int], group_id: int, prompt_id: int) -> Iterator[DispatchedSample]:
+    """The samples of one group. The tuples are made by ``tuple.__new__`` without the NamedTuple's
+    Python-level constructor: a simulated run at 1,024 GPUs dispatches millions."""
+    return map(tuple.__new__, repeat(DispatchedSample), zip(sample_ids, repeat(group_id), repeat(prompt_id)))
+
+
 @dataclass(frozen=True)
 class Dispatch:
     """Generate these samples (whole groups) with the weights the worker holds."""
@@ -46,6 +53,11 @@ class TrainSample(NamedTuple):
     weight: float        # w̃_i, normalised over the whole batch
     is_replay: bool
     staleness: int
+
+
+def train_samples(*fields: Iterable) -> list[TrainSample]:
+    """TrainSamples from one iterable per field, in field order (made as :func:`dispatched_samples`)."""
+    return list(map(tuple.__new__, repeat(TrainSample), zip(*fields)))
 
 
 @dataclass(frozen=True)

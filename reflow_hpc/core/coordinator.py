@@ -59,10 +59,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from .commands import (Cancel, Checkpoint, Dispatch, DispatchedSample, Drop, Resume, SaveCheckpoint, SetCap, Setup,
-                       Snapshot, Switch, Sync, Train, TrainSample)
+                       Snapshot, Switch, Sync, Train, dispatched_samples, train_samples)
 from .index import Batch, RecoveredSample, Release, ReplayIndex
 from .modes import ModeRules
 from .placement import PlacementPlanner, PlacementSettings, Window
@@ -560,7 +561,8 @@ class Coordinator:
             if not self.want_sync and not self.syncing and self.batch is None:
                 self._finish(out, now)
             return
-        self._maybe_train(out, now)
+        if self.batch is None:                       # (tested here too: this runs for every finished sample)
+            self._maybe_train(out, now)
         self._dispatch(out, now)
 
     def _maybe_sync(self, out: list[Any], now: float) -> None:
@@ -592,10 +594,12 @@ class Coordinator:
                        for w in self.trainers[:self.shard])       # the replica gathers, its first worker saves
 
     def _maybe_checkpoint(self, out: list[Any], now: float) -> bool:
+        if self.batch is not None or self.want_sync:
+            return False                             # (tested first: the trainer is busy at most calls)
         every = self.settings.checkpoint_every
         due_every = every and self.steps_done and self.steps_done % every == 0
         due_final = self.steps_done >= self.steps
-        if not (due_every or due_final) or self.batch is not None or self.want_sync:
+        if not (due_every or due_final):
             return False
         tag = _tag(self.steps_done)
         if tag == self.checkpoint_tag:
@@ -647,8 +651,8 @@ class Coordinator:
         self.reports = []
         total_tokens = sum(batch.loss_tokens)
         shares = _split_balanced(batch.loss_tokens, len(self.trainers))
-        items = list(map(TrainSample, batch.sample_ids, batch.owners, batch.advantages, batch.loss_weights,
-                         batch.is_replay, batch.staleness))
+        items = train_samples(batch.sample_ids, batch.owners, batch.advantages, batch.loss_weights, batch.is_replay,
+                              batch.staleness)
         for replica, (worker, idx) in enumerate(zip(self.trainers, shares)):
             samples = tuple([items[i] for i in idx])
             out.append(Train(worker, batch.step, batch.version, samples, total_tokens, replica, len(self.trainers)))
@@ -656,22 +660,24 @@ class Coordinator:
     def _dispatch(self, out: list[Any], now: float) -> None:
         if self.rules.colocated and self.batch is not None:
             return                                   # colocated: no generation while training
-        n = self.index.group_size
+        index = self.index
+        if not index.can_dispatch_group():
+            return                                   # (most calls: the window's budget is spent)
+        n = index.group_size
         per_worker: dict[int, list[DispatchedSample]] = {}
-        while self.index.can_dispatch_group():
+        while index.can_dispatch_group():
             worker = self.generation.choose({w: self.outstanding[w] for w in self.rollouts}, n)
             if worker is None:
                 break
-            group = self.index.new_group(self.next_prompt, now=now, worker=worker)
+            group = index.new_group(self.next_prompt, now=now, worker=worker)
             if self.settings.event_log:
                 self._log(now, "dispatch", w=worker, group=group.group_id, prompt=group.prompt_id,
                           ids=list(group.sample_ids))
             self.next_prompt += 1
             self.outstanding[worker] += n
-            for sid in group.sample_ids:
-                self.generating[sid] = worker
-            per_worker.setdefault(worker, []).extend(
-                DispatchedSample(sid, group.group_id, group.prompt_id) for sid in group.sample_ids)
+            self.generating.update(zip(group.sample_ids, repeat(worker)))
+            per_worker.setdefault(worker, []).extend(dispatched_samples(group.sample_ids, group.group_id,
+                                                                        group.prompt_id))
         for worker, samples in sorted(per_worker.items()):
             out.append(Dispatch(worker, tuple(samples)))
 

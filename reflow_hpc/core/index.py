@@ -228,7 +228,6 @@ class ReplayIndex:
         # Unused ready samples per min version in completion order; entries of samples that left
         # `ready` another way than compose (abort, lost) are skipped when reached.
         self._ready_by_version: dict[int, deque[int]] = {}
-        self._by_rank: dict[int, set[int]] = {}                # worker (generating) or owner (payload)
         self._version = 0
         self._step = 0
         self._next_sample_id = 0
@@ -344,8 +343,6 @@ class ReplayIndex:
         self._next_group_id += 1
         for sid, w in zip(ids, workers):
             self._samples[sid] = SampleRecord(sid, gid, prompt_id, PENDING, w, created_at=now)
-            if w >= 0:
-                self._rank_add(w, sid)
         self._groups[gid] = _GroupState(gid, prompt_id, ids, n)
         self._count[PENDING] += n
         self._created += n
@@ -356,11 +353,7 @@ class ReplayIndex:
     def reassign(self, sample_id: int, worker: int) -> None:
         """A pending sample moves to another rollout worker (its first worker left rollout)."""
         rec = self._live(sample_id, GENERATING, "reassign")
-        if rec.worker >= 0:
-            self._rank_discard(rec.worker, sample_id)
         rec.worker = int(worker)
-        if worker >= 0:
-            self._rank_add(rec.worker, sample_id)
 
     def finished(self, sample_id: int, *, owner: int, reward: float, min_version: int, max_version: int,
                  loss_tokens: int, now: float = 0.0, location: Any = None,
@@ -376,9 +369,6 @@ class ReplayIndex:
                 and type(base_weight) in _NUMBERS and base_weight >= 0 and base_weight - base_weight == 0):
             self._check_finished_fields(sample_id, reward, min_version, max_version, loss_tokens, base_weight,
                                         max_allowed_version=self._version)
-        by_rank = self._by_rank
-        if rec.worker >= 0:
-            self._rank_discard(rec.worker, sample_id)
         self._count[rec.state] -= 1
         rec.state = FINISHED
         self._count[FINISHED] += 1
@@ -389,17 +379,15 @@ class ReplayIndex:
         rec.loss_tokens, rec.base_weight, rec.finished_at = int(loss_tokens), float(base_weight), now
         rec.finish_seq = self._finish_seq
         self._finish_seq += 1
-        if owner >= 0:
-            ids = by_rank.get(owner)
-            if ids is None:
-                by_rank[owner] = {sample_id}
-            else:
-                ids.add(sample_id)
         out: list[Release] = []
         if self._version - min_version > self.delta:
             self._end(rec, EVICTED_STALE, out)
         else:
-            self._pool_add(rec)
+            bucket = self._pool_by_version.get(rec.min_version)      # (_pool_add, inlined: once per sample)
+            if bucket is None:
+                self._pool_by_version[rec.min_version] = {sample_id: None}
+            else:
+                bucket[sample_id] = None
         group = self._groups[rec.group_id]
         group.outstanding -= 1
         if group.outstanding == 0:
@@ -422,11 +410,16 @@ class ReplayIndex:
 
     def worker_lost(self, rank: int) -> list[Release]:
         """``rank`` died: what it generated ends as ``failed``, what it held as ``lost``; samples it
-        owns that are in a batch end as ``lost`` when their step is done."""
-        ids = self._by_rank.pop(rank, None)
+        owns that are in a batch end as ``lost`` when their step is done.
+
+        A scan of the live samples: a rank is lost rarely, while a per-rank set would be kept up to date
+        four times per sample."""
         out: list[Release] = []
-        for sid in sorted(ids or ()):
-            rec = self._samples[sid]
+        if rank < 0:
+            return out                                    # -1 is "not known", never a rank
+        mine = [rec for rec in self._samples.values()
+                if (rec.worker if rec.state in GENERATING else rec.owner) == rank and not rec.owner_lost]
+        for rec in sorted(mine, key=_by_sample_id):
             if rec.state in GENERATING:
                 self._end(rec, FAILED, out)
             elif rec.state == TRAINING:
@@ -465,9 +458,14 @@ class ReplayIndex:
         unused = self._take_oldest_ready(u)
         replay = self._take_replay(r) if r else []
         recs = unused + replay
+        count, pools = self._count, self._pool_by_version
         for rec in recs:
-            self._count[rec.state] -= 1
-            self._pool_discard(rec)
+            count[rec.state] -= 1
+            bucket = pools.get(rec.min_version)      # (_pool_discard, inlined: once per trained sample)
+            if bucket is not None:
+                bucket.pop(rec.sample_id, None)
+                if not bucket:
+                    del pools[rec.min_version]
             rec.state = TRAINING
         self._count[TRAINING] += len(recs)
         version = self._version
@@ -520,7 +518,11 @@ class ReplayIndex:
                 rec.state = REPLAY
                 self._count[TRAINING] -= 1
                 self._count[REPLAY] += 1
-                self._pool_add(rec)
+                bucket = self._pool_by_version.get(rec.min_version)  # (_pool_add, inlined: once per trained sample)
+                if bucket is None:
+                    self._pool_by_version[rec.min_version] = {sid: None}
+                else:
+                    bucket[sid] = None
                 self.sampler.add(rec)
         return out
 
@@ -608,9 +610,6 @@ class ReplayIndex:
             rec = SampleRecord.from_row(list(row))
             self._samples[rec.sample_id] = rec
             self._count[rec.state] += 1
-            rank = rec.worker if rec.state in GENERATING else rec.owner
-            if rank >= 0:
-                self._rank_add(rank, rec.sample_id)
             if rec.state in POOLED:
                 self._pool_add(rec)
         for gid, prompt_id, members, outstanding in state["groups"]:
@@ -691,8 +690,6 @@ class ReplayIndex:
             self._samples[rec.sample_id] = rec
             self._count[FINISHED] += 1
             self._created += 1
-            if rec.owner >= 0:
-                self._rank_add(rec.owner, rec.sample_id)
             groups.setdefault(rec.group_id, []).append(rec)
             if rec.min_version < self._version - self.delta or rec.max_version > self._version:
                 self._end(rec, EVICTED_STALE, out)
@@ -743,9 +740,6 @@ class ReplayIndex:
                 fail(f"sample {sid} ({rec.state}): staleness {v - rec.min_version} > δ = {delta}")
             if rec.state not in GENERATING and not 0 <= rec.min_version <= rec.max_version:
                 fail(f"sample {sid}: versions {rec.min_version}..{rec.max_version}")
-            rank = rec.worker if rec.state in GENERATING else rec.owner
-            if rank >= 0 and sid not in self._by_rank.get(rank, ()) and not rec.owner_lost:
-                fail(f"sample {sid}: missing from rank {rank}")
             if rec.state in (PENDING, FINISHED) and rec.group_id not in self._groups:
                 fail(f"sample {sid} ({rec.state}): its group {rec.group_id} is not open")
             if rec.state in (READY, TRAINING, REPLAY) and rec.group_id in self._groups:
@@ -769,11 +763,6 @@ class ReplayIndex:
                 rec = self._samples.get(sid)
                 if rec is not None and rec.state == READY and rec.min_version != ver:
                     fail(f"ready sample {sid} queued under version {ver}, min version {rec.min_version}")
-        for rank, ids in self._by_rank.items():
-            for sid in ids:
-                rec = self._samples.get(sid)
-                if rec is None or (rec.worker if rec.state in GENERATING else rec.owner) != rank:
-                    fail(f"rank {rank} lists sample {sid} it neither generates nor owns")
         for gid, group in self._groups.items():
             outstanding = sum(1 for m in group.members
                               if m in self._samples and self._samples[m].state in GENERATING)
@@ -816,20 +805,6 @@ class ReplayIndex:
         if not (isinstance(base_weight, numbers.Real) and math.isfinite(base_weight) and base_weight >= 0.0):
             raise ValueError(f"sample {sid}: base_weight {base_weight!r} must be a finite number ≥ 0")
 
-    def _rank_add(self, rank: int, sid: int) -> None:
-        ids = self._by_rank.get(rank)
-        if ids is None:
-            self._by_rank[rank] = {sid}
-        else:
-            ids.add(sid)
-
-    def _rank_discard(self, rank: int, sid: int) -> None:
-        ids = self._by_rank.get(rank)
-        if ids is not None:
-            ids.discard(sid)
-            if not ids:
-                del self._by_rank[rank]
-
     def _pool_add(self, rec: SampleRecord) -> None:
         bucket = self._pool_by_version.get(rec.min_version)
         if bucket is None:
@@ -854,8 +829,6 @@ class ReplayIndex:
             self.sampler.remove(sid)
         generating = state in GENERATING
         rank = rec.worker if generating else rec.owner
-        if rank >= 0:
-            self._rank_discard(rank, sid)
         del self._samples[sid]
         self._terminal[reason] += 1
         if reason == EVICTED_STALE and rec.times_used == 0:
@@ -918,7 +891,7 @@ class ReplayIndex:
     def _take_replay(self, r: int) -> list[SampleRecord]:
         picked = self.sampler.pick(r, self._rng)
         recs = [self._samples.get(sid) for sid in picked]
-        if len(picked) != r or len(set(picked)) != r or any(rec is None or rec.state != REPLAY for rec in recs):
+        if len(picked) != r or len(set(picked)) != r or [rec for rec in recs if rec is None or rec.state != REPLAY]:
             raise RuntimeError(f'replay sampler "{self.sampler.name}" returned {picked[:8]} for {r} slots: '
                                f"expected {r} distinct ids of samples in the replay state")
         for sid in picked:
@@ -931,6 +904,10 @@ _NUMBERS = (float, int)
 
 def _by_finish_seq(rec: SampleRecord) -> int:
     return rec.finish_seq
+
+
+def _by_sample_id(rec: SampleRecord) -> int:
+    return rec.sample_id
 
 
 def _require(ok: bool, name: str, value: Any, why: str) -> None:
