@@ -357,7 +357,9 @@ class Coordinator:
                         total_tokens: int = 0) -> list[Any]:
         """``total_tokens``: prompt + response (the KV footprint the scheduler predicts); 0 = loss_tokens."""
         out: list[Any] = []
-        self._forget_generating(sample_id)
+        worker_of = self.generating.pop(sample_id, None)          # (_forget_generating, inlined)
+        if worker_of is not None:
+            self.outstanding[worker_of] -= 1
         self.finish_reasons[finish_reason] = self.finish_reasons.get(finish_reason, 0) + 1
         self.generation.finished(total_tokens or loss_tokens)
         if self.settings.event_log:              # (the arguments alone cost a simulated sample ~10 %)

@@ -93,7 +93,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
@@ -224,7 +224,9 @@ class ReplayIndex:
         self._created = 0
         # Staleness eviction without scans: pooled samples bucketed by min version. The values are
         # dicts used as insertion-ordered sets.
-        self._pool_by_version: dict[int, dict[int, None]] = {}
+        # (a defaultdict: adding and discarding are one C call each; a bucket emptied by a discard stays
+        # until its version is evicted)
+        self._pool_by_version: defaultdict[int, dict[int, None]] = defaultdict(dict)
         # Unused ready samples per min version in completion order; entries of samples that left
         # `ready` another way than compose (abort, lost) are skipped when reached.
         self._ready_by_version: dict[int, deque[int]] = {}
@@ -383,11 +385,7 @@ class ReplayIndex:
         if self._version - min_version > self.delta:
             self._end(rec, EVICTED_STALE, out)
         else:
-            bucket = self._pool_by_version.get(rec.min_version)      # (_pool_add, inlined: once per sample)
-            if bucket is None:
-                self._pool_by_version[rec.min_version] = {sample_id: None}
-            else:
-                bucket[sample_id] = None
+            self._pool_by_version[rec.min_version][sample_id] = None
         group = self._groups[rec.group_id]
         group.outstanding -= 1
         if group.outstanding == 0:
@@ -461,11 +459,7 @@ class ReplayIndex:
         count, pools = self._count, self._pool_by_version
         for rec in recs:
             count[rec.state] -= 1
-            bucket = pools.get(rec.min_version)      # (_pool_discard, inlined: once per trained sample)
-            if bucket is not None:
-                bucket.pop(rec.sample_id, None)
-                if not bucket:
-                    del pools[rec.min_version]
+            pools[rec.min_version].pop(rec.sample_id, None)
             rec.state = TRAINING
         self._count[TRAINING] += len(recs)
         version = self._version
@@ -518,11 +512,7 @@ class ReplayIndex:
                 rec.state = REPLAY
                 self._count[TRAINING] -= 1
                 self._count[REPLAY] += 1
-                bucket = self._pool_by_version.get(rec.min_version)  # (_pool_add, inlined: once per trained sample)
-                if bucket is None:
-                    self._pool_by_version[rec.min_version] = {sid: None}
-                else:
-                    bucket[sid] = None
+                self._pool_by_version[rec.min_version][sid] = None
                 self.sampler.add(rec)
         return out
 
@@ -611,7 +601,7 @@ class ReplayIndex:
             self._samples[rec.sample_id] = rec
             self._count[rec.state] += 1
             if rec.state in POOLED:
-                self._pool_add(rec)
+                self._pool_by_version[rec.min_version][rec.sample_id] = None
         for gid, prompt_id, members, outstanding in state["groups"]:
             self._groups[gid] = _GroupState(gid, prompt_id, tuple(members), outstanding)
         for sid in state["ready_order"]:
@@ -639,12 +629,12 @@ class ReplayIndex:
             if rec.times_used > 0:
                 rec.state = REPLAY
                 self._count[REPLAY] += 1
-                self._pool_add(rec)
+                self._pool_by_version[rec.min_version][rec.sample_id] = None
                 self.sampler.add(rec)
             else:
                 rec.state = READY
                 self._count[READY] += 1
-                self._pool_add(rec)
+                self._pool_by_version[rec.min_version][rec.sample_id] = None
                 self._ready_by_version.setdefault(rec.min_version, deque()).appendleft(rec.sample_id)
         in_flight = sorted(sid for sid, rec in self._samples.items() if rec.state in GENERATING)
         out.extend(self.abort(sid for sid in in_flight if sid not in keep))
@@ -694,7 +684,7 @@ class ReplayIndex:
             if rec.min_version < self._version - self.delta or rec.max_version > self._version:
                 self._end(rec, EVICTED_STALE, out)
             else:
-                self._pool_add(rec)
+                self._pool_by_version[rec.min_version][rec.sample_id] = None
         for gid, recs in groups.items():
             group = _GroupState(gid, recs[0].prompt_id, tuple(r.sample_id for r in recs), 0)
             self._groups[gid] = group
@@ -749,8 +739,6 @@ class ReplayIndex:
         if counts != self._count:
             fail(f"state counts {self._count} != scanned {counts}")
         for ver, bucket in self._pool_by_version.items():
-            if not bucket:
-                fail(f"empty version bucket {ver}")
             for sid in bucket:
                 if sid not in self._samples:
                     fail(f"version bucket {ver} holds ended sample {sid}")
@@ -805,26 +793,12 @@ class ReplayIndex:
         if not (isinstance(base_weight, numbers.Real) and math.isfinite(base_weight) and base_weight >= 0.0):
             raise ValueError(f"sample {sid}: base_weight {base_weight!r} must be a finite number ≥ 0")
 
-    def _pool_add(self, rec: SampleRecord) -> None:
-        bucket = self._pool_by_version.get(rec.min_version)
-        if bucket is None:
-            self._pool_by_version[rec.min_version] = {rec.sample_id: None}
-        else:
-            bucket[rec.sample_id] = None
-
-    def _pool_discard(self, rec: SampleRecord) -> None:
-        bucket = self._pool_by_version.get(rec.min_version)
-        if bucket is not None:
-            bucket.pop(rec.sample_id, None)
-            if not bucket:
-                del self._pool_by_version[rec.min_version]
-
     def _end(self, rec: SampleRecord, reason: str, out: list[Release]) -> None:
         """Move a live sample to a terminal state (exactly once: the record leaves the index)."""
         state, sid = rec.state, rec.sample_id
         self._count[state] -= 1
         if state in POOLED:
-            self._pool_discard(rec)
+            self._pool_by_version[rec.min_version].pop(sid, None)
         if state == REPLAY:
             self.sampler.remove(sid)
         generating = state in GENERATING
