@@ -4,8 +4,8 @@
     python tools/compile_sim.py --clean    # removes them: the interpreted simulator again
 
 The compiled modules simulate the same runs (the same JSON, byte for byte) with about 1.3× fewer
-instructions, 1.1–1.3× less CPU time on a shared VM; see ``tools/bench_sim.py --interpreted`` and
-the README's performance section. They replace only
+instructions, 1.07–1.3× less CPU time on a shared VM (the interpreted coordinator is most of what is
+left); see ``tools/bench_sim.py --interpreted`` and the README's performance section. They replace only
 ``reflow_hpc.sim`` modules, which the MPI runtime never imports; the coordinator (``reflow_hpc.core``)
 stays interpreted everywhere. Needs mypy (the ``dev`` extra) and a C compiler.
 
