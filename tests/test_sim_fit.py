@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
+from conftest import ROOT
 
 from reflow_hpc.sim import calibrate as cal
 from reflow_hpc.sim import fit
 from reflow_hpc.sim.report import simulate
+
+sys.path.insert(0, str(ROOT / "tools"))
+import bench_modes  # noqa: E402
 
 MODES = ("sync", "one_step_off", "fully_async", "reflow")
 SETS = [*cal.BENCH_MODES_SETS, "trainer.steps=16", "sim.warmup_steps=3"]
@@ -20,16 +25,20 @@ TRUE = {"sim.train_mfu": 0.41, "sim.train_update_overhead_s": 0.031, "sim.fetch_
         "sim.sync_base_s": 0.017, "sim.sync_colocated_base_s": 0.0032, "sim.decode_base_s": 0.0041}
 
 
-def simulated_bench(tmp_path, costs: dict) -> dict:
-    """A bench_modes JSON object whose run directories hold the metrics of simulated runs."""
+def simulated_bench(tmp_path, costs: dict, passes: int = 1) -> dict:
+    """A bench_modes JSON object whose run directories hold the metrics of simulated runs (with
+    ``passes`` > 1, as ``--repeat`` names them: one seed per pass)."""
     rows = []
     for mode in MODES:
-        res = simulate(cal.CPU_TINY, mode, [*SETS, *(f"{k}={v}" for k, v in costs.items())])
-        run = tmp_path / f"bench-{mode}"
-        run.mkdir()
-        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in res.records))
-        rows.append({"system": "reflow_hpc", "mode": mode,
-                     "throughput_tokens_per_s": res.summary["throughput_tokens_per_s"]})
+        names = []
+        for k in range(passes):
+            res = simulate(cal.CPU_TINY, mode, [*SETS, *(f"{k}={v}" for k, v in costs.items()), f"run.seed={k}"])
+            names.append(bench_modes.run_name(mode, k))
+            run = tmp_path / names[-1]
+            run.mkdir()
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in res.records))
+        row = {"system": "reflow_hpc", "mode": mode, "throughput_tokens_per_s": res.summary["throughput_tokens_per_s"]}
+        rows.append({**row, "runs": names} if passes > 1 else row)
     return {"steps": 16, "warmup_steps": 3, "rows": rows, "out": str(tmp_path)}
 
 
@@ -48,6 +57,41 @@ def test_the_fit_gives_back_the_costs_a_simulated_bench_ran_with(tmp_path):
     assert float(got["sim.decode_base_s"]) == pytest.approx(TRUE["sim.decode_base_s"], rel=0.05)
     assert [m.mode for m in found] == list(MODES)
     assert all(m.steps == 13 and math.isfinite(m.rate) and m.rate > 0 for m in found)
+
+
+def test_the_fit_reads_every_pass_of_a_repeated_bench(tmp_path):
+    bench = simulated_bench(tmp_path, TRUE, passes=2)
+    assert (tmp_path / "bench-reflow-2" / "metrics.jsonl").is_file()
+    sets, found = fit.fit(bench, cal.CPU_TINY, SETS)
+    got = dict(s.split("=", 1) for s in sets)
+    assert all(m.steps == 26 for m in found)             # 13 measured steps of each of two passes
+    assert float(got["sim.sync_base_s"]) == pytest.approx(TRUE["sim.sync_base_s"], rel=1e-3)
+    assert float(got["sim.decode_base_s"]) == pytest.approx(TRUE["sim.decode_base_s"], rel=0.05)
+    (tmp_path / "bench-sync-2" / "metrics.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match="bench-sync-2/metrics.jsonl"):
+        fit.measure(bench, cal.CPU_TINY)
+
+
+def test_a_repeated_bench_alternates_the_order_and_pools_the_passes():
+    modes = ["sync", "one_step_off", "reflow"]
+    assert bench_modes.pass_order(modes, 0) == modes
+    assert bench_modes.pass_order(modes, 1) == modes[::-1]
+    assert [bench_modes.run_name("sync", k) for k in range(3)] == ["bench-sync", "bench-sync-2", "bench-sync-3"]
+
+    def steps(tokens_per_s):                 # two warm-up steps and two measured ones of 1 s each
+        return [{"step": i, "tokens": tokens_per_s, "step_seconds": 1.0, "idle_ratio/trainer": 0.1,
+                 "idle_ratio/rollout": 0.2, "replay_fraction": 0.0, "staleness/mean": 0.0,
+                 "trainer/token_staleness_min": 0, "trainer/token_staleness_max": i % 2, "sync_seconds": 0.01}
+                for i in range(1, 5)]
+    summary = {"eval/task/final_reward": 0.5, "eval/curve": [[0, 0.1]], "reward_last_steps": 0.25, "steps": 4}
+    runs = [("bench-sync", steps(100.0), summary, 10.0),
+            ("bench-sync-2", steps(300.0), {**summary, "eval/task/final_reward": 0.7}, 20.0)]
+    row = bench_modes.mode_row("sync", runs, warmup=2)
+    assert row["throughput_tokens_per_s"] == pytest.approx(200.0)      # Σ tokens ÷ Σ seconds of both passes
+    assert row["throughput_per_pass"] == [pytest.approx(100.0), pytest.approx(300.0)]
+    assert row["runs"] == ["bench-sync", "bench-sync-2"] and row["passes"] == 2 and row["steps"] == 4
+    assert row["eval/task/final_reward"] == pytest.approx(0.6) and row["eval/curve"] == [[0, 0.1]]
+    assert row["wall_seconds"] == pytest.approx(15.0) and row["token_staleness"] == [0, 1]
 
 
 def test_the_cross_check_fits_first_when_the_runs_are_there(tmp_path):

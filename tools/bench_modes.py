@@ -1,7 +1,7 @@
 """The four pipeline modes side by side on the same config, seed, workers and batches.
 
     python tools/bench_modes.py [CONFIG] [--steps N] [--warmup-steps K] [--modes sync,reflow,...]
-                                [--cpu-quota Q] [--peer trl] [--set section.key=value ...] [--json]
+                                [--repeat N] [--cpu-quota Q] [--peer trl] [--set section.key=value ...] [--json]
 
 CONFIG defaults to ``configs/cpu_bench.toml`` (the calibrated workload) and ``--steps`` to its
 ``trainer.steps``. Each mode is one real run (``python -m reflow_hpc.run``: MPI ranks, engine,
@@ -13,6 +13,12 @@ trainer and rollout idle ratios, final training reward, the end-of-run evaluatio
 reflow ÷ sync and reflow ÷ fully_async. ``--peer trl`` adds TRL's GRPOTrainer on the same model,
 task and reward (``tools/peer_trl.py``; needs the ``bench`` extra), in a process held to the same
 total CPU share as our ranks together. With ``--json`` the last line is one JSON object.
+
+``--repeat N`` runs every mode N times, the order of the modes reversed on every other pass (sync …
+reflow, reflow … sync, …), so that a drift of the machine's speed during the bench weighs alike on
+every mode; a mode's throughput is then Σ tokens ÷ Σ step seconds over its passes' measured steps.
+The runs are ``bench-<mode>`` (first pass) and ``bench-<mode>-<k>`` (pass k), listed in each row's
+``runs``; ``throughput_per_pass`` shows how far the passes agree.
 
 The baselines are their namesakes (``core/modes.py``): every mode syncs after every step, the
 baselines train without replay (σ = 0), and each run reports the smallest and largest staleness of
@@ -56,11 +62,22 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def run_mode(config: str, mode: str, steps: int, warmup: int, sets: list[str], out: Path, timeout: float) -> dict:
-    name = f"bench-{mode}"
+def run_name(mode: str, k: int) -> str:
+    """The run directory of pass ``k`` (from 0) of ``mode``."""
+    return f"bench-{mode}" if k == 0 else f"bench-{mode}-{k + 1}"
+
+
+def pass_order(modes: list[str], k: int) -> list[str]:
+    """Pass ``k`` runs the modes forwards when k is even, backwards when odd."""
+    return list(modes) if k % 2 == 0 else list(reversed(modes))
+
+
+def run_mode(config: str, mode: str, name: str, steps: int, sets: list[str], out: Path,
+             timeout: float) -> tuple[list[dict], dict, float]:
+    """One run of ``mode``: its per-step metrics, its summary and its wall seconds."""
     args = [sys.executable, "-m", "reflow_hpc.run", config,
             "--set", f"trainer.steps={steps}", "--set", f"run.output_dir={out}", "--set", f"run.name={name}",
-            "--set", f"storage.dir={out / 'scratch' / mode}", "--set", "checkpoint.resume=false"]
+            "--set", f"storage.dir={out / 'scratch' / name}", "--set", "checkpoint.resume=false"]
     for s in mode_sets(mode) + sets:
         args += ["--set", s]
     t0 = time.monotonic()
@@ -69,14 +86,27 @@ def run_mode(config: str, mode: str, steps: int, warmup: int, sets: list[str], o
     if r.returncode != 0:
         raise SystemExit(f"bench_modes: mode {mode} failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     run_dir = out / name
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    measured = [m for m in metrics if m["step"] > warmup] or metrics
-    tokens = sum(m["tokens"] for m in measured)
-    seconds = sum(m["step_seconds"] for m in measured)
+    return read_jsonl(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text()), wall
+
+
+def mode_row(mode: str, runs: list[tuple[str, list[dict], dict, float]], warmup: int) -> dict:
+    """One mode's row over its passes (``runs``: name, metrics, summary, wall seconds of each)."""
+    def measured_of(metrics: list[dict]) -> list[dict]:
+        return [m for m in metrics if m["step"] > warmup] or metrics
+
+    def throughput(steps: list[dict]) -> float:
+        seconds = sum(m["step_seconds"] for m in steps)
+        return sum(m["tokens"] for m in steps) / seconds if seconds else math.nan
+
+    measured = [m for _, metrics, _, _ in runs for m in measured_of(metrics)]
+    metrics = [m for _, ms, _, _ in runs for m in ms]
+    n = len(runs)
+    summary = _merge_summaries([s for _, _, s, _ in runs])
     return {
-        "system": "reflow_hpc", "mode": mode, "steps": len(metrics),
-        "throughput_tokens_per_s": tokens / seconds if seconds else math.nan,
+        "system": "reflow_hpc", "mode": mode, "steps": len(metrics) // n, "passes": n,
+        "runs": [name for name, _, _, _ in runs],
+        "throughput_tokens_per_s": throughput(measured),
+        "throughput_per_pass": [throughput(measured_of(ms)) for _, ms, _, _ in runs],
         "idle_ratio/trainer": _mean(m["idle_ratio/trainer"] for m in measured),
         "idle_ratio/rollout": _mean(m["idle_ratio/rollout"] for m in measured),
         "replay_fraction": _mean(m["replay_fraction"] for m in measured),
@@ -87,11 +117,23 @@ def run_mode(config: str, mode: str, steps: int, warmup: int, sets: list[str], o
         "reward_first_steps": summary.get("reward_first_steps"),
         "reward_last_steps": summary.get("reward_last_steps"),
         **{k: v for k, v in summary.items() if k.startswith("eval/")},
-        "trained_tokens": sum(m["tokens"] for m in metrics),
-        "train_seconds": sum(m["step_seconds"] for m in metrics),
-        "wall_seconds": wall,
+        "trained_tokens": sum(m["tokens"] for m in metrics) / n,          # per pass
+        "train_seconds": sum(m["step_seconds"] for m in metrics) / n,
+        "wall_seconds": sum(wall for _, _, _, wall in runs) / n,
         "time_split": _time_split(measured),
     }
+
+
+def _merge_summaries(summaries: list[dict]) -> dict:
+    """The evaluation and reward entries of several passes' summaries: numbers averaged, anything else
+    (the eval curve) from the first pass."""
+    out = {}
+    for k, v in summaries[0].items():
+        if not (k.startswith("eval/") or k.startswith("reward_")):
+            continue
+        numbers = isinstance(v, (int, float)) and not isinstance(v, bool)
+        out[k] = _mean(s.get(k) for s in summaries) if numbers else v
+    return out
 
 
 def _time_split(measured: list[dict]) -> dict:
@@ -131,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default: trainer.steps)")
     ap.add_argument("--warmup-steps", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="passes over the modes, every other one in reverse order (module docstring)")
     ap.add_argument("--cpu-quota", type=float, default=0.45,
                     help="share of one core every rank is held to (resources.cpu_quota; 0 = none)")
     ap.add_argument("--peer", choices=("trl",), default=None)
@@ -139,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat}: must be at least 1")
     args.sets = [f"resources.cpu_quota={args.cpu_quota}", *args.sets]
     cfg = load(args.config, args.sets)
     if args.steps is None:
@@ -147,10 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         from reflow_hpc.warmstart import ensure_policy
         ensure_policy(cfg)          # a no-op when model.path holds the policy this config warm-starts
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_modes-"))
-    rows = []
-    for mode in args.modes.split(","):
-        print(f"bench_modes: running {mode} ({args.steps} steps) ...", file=sys.stderr, flush=True)
-        rows.append(run_mode(args.config, mode, args.steps, args.warmup_steps, args.sets, out, args.timeout))
+    modes = args.modes.split(",")
+    runs: dict[str, list] = {m: [] for m in modes}
+    for k in range(args.repeat):
+        for mode in pass_order(modes, k):
+            name = run_name(mode, k)
+            print(f"bench_modes: running {mode} ({args.steps} steps, pass {k + 1} of {args.repeat}) ...",
+                  file=sys.stderr, flush=True)
+            runs[mode].append((name, *run_mode(args.config, mode, name, args.steps, args.sets, out, args.timeout)))
+    rows = [mode_row(mode, runs[mode], args.warmup_steps) for mode in modes]
     if args.peer == "trl":
         sys.path.insert(0, str(ROOT / "tools"))
         from peer_trl import run_trl_held
@@ -184,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target reflow idle: trainer {r['idle_ratio/trainer']:.1%} (≤ 10%), rollout {r['idle_ratio/rollout']:.1%} (≤ 2%)")
     if args.json:
         print(json.dumps({"config": args.config, "steps": args.steps, "warmup_steps": args.warmup_steps,
-                          "cpu_quota": args.cpu_quota,
+                          "cpu_quota": args.cpu_quota, "repeat": args.repeat,
                           "rows": rows, "ratios": ratios, "out": str(out)}))
     return 0
 

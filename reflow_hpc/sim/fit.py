@@ -4,7 +4,8 @@ measured of the same primitives — never from the throughputs the cross-check c
     python -m reflow_hpc.sim --crosscheck BENCH_JSON      # fits first when the run directories exist
 
 ``tools/bench_modes.py --json`` names its output directory (``out``); each mode's run left its
-``metrics.jsonl`` there (``bench-<mode>/``). Over the measured steps (after the bench's warm-up) of
+``metrics.jsonl`` there (``bench-<mode>/``, and ``bench-<mode>-<k>/`` for the passes of ``--repeat``,
+listed in the row's ``runs``). Over the measured steps (after the bench's warm-up) of
 all modes together:
 
 trainer compute → ``sim.train_mfu``
@@ -92,11 +93,14 @@ def measure(bench: dict, config: str) -> list[ModeMeasure]:
         if row.get("system") != "reflow_hpc":
             continue
         mode = row["mode"]
-        path = out / f"bench-{mode}" / "metrics.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no metrics of the bench's {mode} run (bench_modes.py names its "
-                                    f"run directories in \"out\"; they are needed to fit the cost model)")
-        steps = [r for r in read_jsonl(path) if r["step"] > warm]
+        steps = []
+        for name in row.get("runs") or [f"bench-{mode}"]:        # one per pass of ``--repeat``
+            path = out / name / "metrics.jsonl"
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: no metrics of the bench's {mode} run (bench_modes.py names its "
+                                        f"run directories in \"out\" and \"runs\"; they are needed to fit the "
+                                        f"cost model)")
+            steps += [r for r in read_jsonl(path) if r["step"] > warm]
         fb = flops = upd = share = fetch = share_samples = 0.0
         syncs = []
         for r in steps:
