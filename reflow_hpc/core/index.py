@@ -223,9 +223,8 @@ class ReplayIndex:
         self._evicted_unused = 0        # evicted stale before any training: generation spent for nothing
         self._created = 0
         # Staleness eviction without scans: pooled samples bucketed by min version. The values are
-        # dicts used as insertion-ordered sets.
-        # (a defaultdict: adding and discarding are one C call each; a bucket emptied by a discard stays
-        # until its version is evicted)
+        # dicts used as insertion-ordered sets; a defaultdict, so that adding and discarding are one call
+        # each (a bucket emptied by a discard stays until its version is evicted).
         self._pool_by_version: defaultdict[int, dict[int, None]] = defaultdict(dict)
         # Unused ready samples per min version in completion order; entries of samples that left
         # `ready` another way than compose (abort, lost) are skipped when reached.
