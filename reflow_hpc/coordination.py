@@ -35,7 +35,8 @@ def coordinator_settings(cfg: Config, *, workers: int | None = None, trainer_sha
         rollout_tp=rollout_tp if rollout_tp is not None else res.rollout_tp_size,
         min_trainers=sch.min_trainers, min_rollouts=sch.min_rollouts, batch_size=cfg.trainer.batch_size,
         sigma=cfg.reflow.sigma, ema_alpha=sch.placement_ema, cooldown_steps=sch.cooldown_steps,
-        margin=sch.placement_margin, starve_idle=sch.starve_idle) if reflow and sch.elastic else None
+        margin=sch.placement_margin, starve_idle=sch.starve_idle,
+        switch_cost_s=sch.switch_cost_s) if reflow and sch.elastic else None
     schedule = tuple((int(a), int(b)) for a, _, b in (x.partition(":") for x in sch.placement_schedule)) \
         if reflow else ()
     return Settings(rules=rules(cfg.reflow.mode), steps=cfg.trainer.steps, sync_every=cfg.reflow.sync_every,

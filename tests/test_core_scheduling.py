@@ -33,14 +33,15 @@ def window(p_per_worker, train_step_s_one_replica, pl: PlacementPlanner, noise=1
     return Window(produced=max(produced, 1), step_s=step_s, idle_trainer=idle_t, idle_rollout=idle_r)
 
 
-def drive(pl, make_window, steps):
+def drive(pl, make_window, steps, run_steps=None, switch_s=None):
     """Feed ``steps`` windows of ``make_window(pl)`` to the planner, applying what it proposes; the
-    placement after each window."""
+    placement after each window. ``run_steps``: the run's length (the planner is told the steps left;
+    None: unbounded); ``switch_s``: the wall time each switch is reported to have taken."""
     history = []
-    for _ in range(steps):
-        new = pl.observe(make_window(pl))
+    for i in range(steps):
+        new = pl.observe(make_window(pl), steps_left=None if run_steps is None else run_steps - i - 1)
         if new is not None:
-            pl.applied(new)
+            pl.applied(new, switch_s)
         history.append(pl.current)
     return history
 
@@ -124,6 +125,39 @@ def test_a_starved_split_stays_when_fewer_trainers_would_be_slower():
     pl = planner(n_t=2)
     drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.3), 60)
     assert pl.current == 5 and pl.ceiling is None
+
+
+def test_a_move_that_steps_no_faster_is_not_paid_for():
+    # 4 workers as in the CPU bench: 2 trainers step in 0.4 s and their 2 rollout workers supply twice the
+    # 16 fresh samples a step needs. 3 trainers would compute a step in 0.27 s but wait 0.4 s for their one
+    # rollout worker: the mismatch prefers 3:1 (|log 0.67| against |log 2|), the step time does not.
+    def w(pl):
+        return window(40.0, 0.8, pl)
+    assert set(drive(planner(n_t=2, workers=4), w, 30, run_steps=40, switch_s=3.0)) == {2}
+    assert 3 in drive(planner(n_t=2, workers=4), w, 30)           # with no end in sight the mismatch decides
+
+
+def test_a_switch_is_made_when_its_saving_over_the_steps_left_pays_for_it():
+    # 3:1 now steps in 0.27 s instead of 0.4 s: 0.13 s per step.
+    def w(pl):
+        return window(80.0, 0.8, pl)
+    assert set(drive(planner(n_t=2, workers=4, switch_cost_s=10.0), w, 30, run_steps=40)) == {2}   # 35 × 0.13 < 10
+    assert drive(planner(n_t=2, workers=4, switch_cost_s=4.0), w, 30, run_steps=40)[-1] == 3      # > 4
+    assert drive(planner(n_t=2, workers=4, switch_cost_s=4.0), w, 30, run_steps=25)[-1] == 2      # 20 steps left
+    pl = planner(n_t=2, workers=4, switch_cost_s=10.0)
+    pl.applied(2, 3.0)                           # a measured switch replaces the setting
+    assert pl.switch_s == 3.0 and drive(pl, w, 30, run_steps=40)[-1] == 3
+    pl.applied(3)                                # a restore measures nothing
+    assert pl.switch_s == 3.0
+
+
+def test_a_retreat_from_a_starved_split_is_not_held_back_by_the_switch_cost():
+    pl = planner(n_t=2, switch_cost_s=0.0)
+    drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.8), 4, run_steps=60)
+    assert pl.current == 5                       # the model's balance point, reached while switches were free
+    pl.switch_s = 1e6                            # no predicted saving could pay for a switch now ...
+    history = drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.8), 20, run_steps=40)
+    assert history[-1] == 4 and pl.ceiling == 4  # ... and the measured starvation still moves it back
 
 
 # ------------------------------------------------------------------------------------- generation

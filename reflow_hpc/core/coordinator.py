@@ -713,7 +713,8 @@ class Coordinator:
             idle_r = rec.rollout_idle_s / (rec.rollout_workers * step_s) if rec.rollout_workers else 0.0
             new = self.planner.observe(Window(rec.produced, step_s, min(1.0, idle_t), min(1.0, idle_r),
                                               replay_supply=rec.gauges.get("buffer/replay", 0)
-                                              if self.rules.replays else 0))
+                                              if self.rules.replays else 0),
+                                       steps_left=self.steps - self.steps_done)
             rec.placement_mismatch = self.planner.last_mismatch
             if new is not None and self.steps_done < self.steps:
                 self.pending_placement = new
@@ -747,7 +748,7 @@ class Coordinator:
         """Every worker switched: record it, sync the new rollout pool, re-dispatch what was handed off."""
         self.placements.append((self.steps_done, self.replicas))
         if self.planner is not None:
-            self.planner.applied(self.replicas)
+            self.planner.applied(self.replicas, now - self.switch_started_at)
         handed = sum(len(ids) for ids in self.handed_off.values())
         self.handed_over += handed
         self._log(now, "switched", seconds=now - self.switch_started_at, handed_off=handed)

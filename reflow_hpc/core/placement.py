@@ -45,6 +45,18 @@ placement has too many trainers: the planner moves at once (no margin needed) to
 with at most ``k``, and proposes no more than ``k`` trainer replicas until the predicted fresh
 coverage of every placement (∝ ``p·t``) has grown by more than ``2·margin`` (in log) since then, that
 is until the workload changed in favour of training.
+
+A move must pay for its switch. The same rates predict each placement's step time,
+
+    step'(n_T) = max(t / n_T', (b − r) / (p · n_R'))      trainer-bound or fresh-supply-bound
+
+and a move is made only when the time it is predicted to save over the steps left in the run,
+``(step'(current) − step'(proposed)) · steps_left``, exceeds the cost of one switch: ``switch_cost_s``
+until the run has switched, then the measured wall time of its latest switch. The mismatch may favour a
+placement that steps no faster (an oversupply and an undersupply of equal log size score alike); on
+a run of short steps a switch costs several of them (4 CPU ranks: a 3 s switch against 0.4 s steps).
+A retreat from a starved placement is exempt: its saving was measured, and the linear rates are what
+misjudged that placement in the first place.
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ class PlacementSettings:
     cooldown_steps: int = 5
     margin: float = 0.15             # in units of log
     starve_idle: float = 0.05        # trainer wait (fraction of a step) that marks a placement as starved
+    switch_cost_s: float = 10.0      # a switch's cost until one is measured (module docstring)
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,7 @@ class PlacementPlanner:
         self.ceiling: int | None = None  # most trainer replicas the planner may propose (starvation ceiling)
         self.ceiling_rates = (0.0, 0.0)  # (p, t) when the ceiling was set
         self._here = [0.0, 0.0, 0.0, 0]  # Σ idle_T, Σ idle_R, Σ step_s, windows at this placement after its first
+        self.switch_s = settings.switch_cost_s   # what a switch costs: the setting, then the latest measured
 
     # -- feasible placements ------------------------------------------------------------------
 
@@ -112,8 +126,9 @@ class PlacementPlanner:
 
     # -- the window ---------------------------------------------------------------------------
 
-    def observe(self, w: Window) -> int | None:
-        """One step's window; returns the new n_T when the placement should change now, else None."""
+    def observe(self, w: Window, steps_left: int | None = None) -> int | None:
+        """One step's window; returns the new n_T when the placement should change now, else None.
+        ``steps_left``: optimizer steps the run has still to take (None: unbounded, no switch is too dear)."""
         self.steps_since_change += 1
         n_t, n_r = self.current, self.rollouts(self.current)
         busy_r = max(1e-9, w.step_s * (1.0 - min(w.idle_rollout, 0.999)))
@@ -145,7 +160,20 @@ class PlacementPlanner:
             return None
         if not above and not scores[self.proposed] + self.s.margin < self.last_mismatch:
             return None
+        if not above and steps_left is not None and not self.saving(self.proposed) * steps_left > self.switch_s:
+            return None
         return self.proposed
+
+    def step_time(self, n_t: int) -> float:
+        """Predicted step time of the placement with ``n_t`` trainer replicas (module docstring)."""
+        if self.rate is None or self.train_s is None:
+            return math.nan
+        supply = self.rate * self.rollouts(n_t)
+        return max(self.train_s / n_t, self.fresh_target() / supply if supply > 0 else math.inf)
+
+    def saving(self, n_t: int) -> float:
+        """Seconds per step that moving to ``n_t`` trainer replicas is predicted to save."""
+        return self.step_time(self.current) - self.step_time(n_t)
 
     def _starved(self, w: Window) -> float | None:
         """The mean step time at this placement if its trainers waited for data while the rollout workers
@@ -169,8 +197,11 @@ class PlacementPlanner:
             return True
         return math.log(self.rate * self.train_s / (p0 * t0)) > 2 * self.s.margin
 
-    def applied(self, n_t: int) -> None:
-        """The placement changed to ``n_t`` trainer replicas (rates are re-measured from here)."""
+    def applied(self, n_t: int, switch_s: float | None = None) -> None:
+        """The placement changed to ``n_t`` trainer replicas, the switch taking ``switch_s`` seconds of wall
+        time (None: not measured, as on a restore); rates are re-measured from here."""
+        if switch_s is not None:
+            self.switch_s = switch_s
         self.current = n_t
         self.steps_since_change = 0
         self._here = [0.0, 0.0, 0.0, 0]
