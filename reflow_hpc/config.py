@@ -298,10 +298,11 @@ class SchedulerConfig:
                                    "(mean over its windows after the first) while the rollout workers were busy mark "
                                    "it as starved: the planner moves a trainer replica back when that is predicted "
                                    "faster, and proposes no more until the measured rates change.", gt=0, lt=1)
-    switch_cost_s: float = opt(10.0, "What the planner takes a switch of the pools to cost until the run has measured "
-                                     "one (then the wall time of its latest switch): a move is made only when the "
-                                     "step time it is predicted to save, over the steps left, exceeds it. The "
-                                     "paper measured 5.7 s and 9.2 s on 32 GPUs (Table 2).", ge=0)
+    switch_cost_s: float = opt(10.0, "The least the planner takes a switch of the pools to cost (the wall time of the "
+                                     "run's latest switch when longer; the pipeline's drain and refill do not show in "
+                                     "it): a move is made only when the step time it is predicted to save, over the "
+                                     "steps left, exceeds it. The paper measured switches of 5.7 s and 9.2 s on 32 "
+                                     "GPUs (Table 2).", ge=0)
     min_trainers: int = opt(1, "Fewest trainer replicas the planner may choose.", ge=1)
     min_rollouts: int = opt(1, "Fewest rollout instances the planner may choose.", ge=1)
     adaptive: bool = opt(True, "Adaptive generation scheduling: each rollout worker's concurrency cap follows its KV "

@@ -133,7 +133,7 @@ def test_a_move_that_steps_no_faster_is_not_paid_for():
     # rollout worker: the mismatch prefers 3:1 (|log 0.67| against |log 2|), the step time does not.
     def w(pl):
         return window(40.0, 0.8, pl)
-    assert set(drive(planner(n_t=2, workers=4), w, 30, run_steps=40, switch_s=3.0)) == {2}
+    assert set(drive(planner(n_t=2, workers=4, switch_cost_s=0.5), w, 30, run_steps=40, switch_s=0.05)) == {2}
     assert 3 in drive(planner(n_t=2, workers=4), w, 30)           # with no end in sight the mismatch decides
 
 
@@ -144,11 +144,13 @@ def test_a_switch_is_made_when_its_saving_over_the_steps_left_pays_for_it():
     assert set(drive(planner(n_t=2, workers=4, switch_cost_s=10.0), w, 30, run_steps=40)) == {2}   # 35 × 0.13 < 10
     assert drive(planner(n_t=2, workers=4, switch_cost_s=4.0), w, 30, run_steps=40)[-1] == 3      # > 4
     assert drive(planner(n_t=2, workers=4, switch_cost_s=4.0), w, 30, run_steps=25)[-1] == 2      # 20 steps left
-    pl = planner(n_t=2, workers=4, switch_cost_s=10.0)
-    pl.applied(2, 3.0)                           # a measured switch replaces the setting
-    assert pl.switch_s == 3.0 and drive(pl, w, 30, run_steps=40)[-1] == 3
-    pl.applied(3)                                # a restore measures nothing
-    assert pl.switch_s == 3.0
+    pl = planner(n_t=2, workers=4, switch_cost_s=4.0)
+    pl.applied(2, 12.0)                          # a switch measured dearer than the setting raises it ...
+    assert pl.switch_s == 12.0 and set(drive(pl, w, 30, run_steps=40)) == {2}
+    pl.applied(2)                                # (a restore measures nothing)
+    assert pl.switch_s == 12.0
+    pl.applied(2, 0.05)                          # ... a cheaper one lowers it to the setting, not below
+    assert pl.switch_s == 4.0 and drive(pl, w, 30, run_steps=40)[-1] == 3
 
 
 def test_a_retreat_from_a_starved_split_is_not_held_back_by_the_switch_cost():

@@ -51,12 +51,14 @@ A move must pay for its switch. The same rates predict each placement's step tim
     step'(n_T) = max(t / n_T', (b − r) / (p · n_R'))      trainer-bound or fresh-supply-bound
 
 and a move is made only when the time it is predicted to save over the steps left in the run,
-``(step'(current) − step'(proposed)) · steps_left``, exceeds the cost of one switch: ``switch_cost_s``
-until the run has switched, then the measured wall time of its latest switch. The mismatch may favour a
-placement that steps no faster (an oversupply and an undersupply of equal log size score alike); on
-a run of short steps a switch costs several of them (4 CPU ranks: a 3 s switch against 0.4 s steps).
-A retreat from a starved placement is exempt: its saving was measured, and the linear rates are what
-misjudged that placement in the first place.
+``(step'(current) − step'(proposed)) · steps_left``, exceeds the cost of one switch: ``switch_cost_s``,
+or the wall time of the run's latest switch when that was longer. The setting is a floor because the
+wall time misses most of the cost: the pipeline drains before a switch and refills after it (4 CPU
+ranks: switches of 0.03–0.09 s, but the step after one took 0.99 s against 0.4 s). The mismatch may
+favour a placement that steps no faster (an oversupply and an undersupply of equal log size score
+alike); a move near the balance point is predicted to save little, and is not made. A retreat from a
+starved placement is exempt: its saving was measured, and the linear rates are what misjudged that
+placement in the first place.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class PlacementSettings:
     cooldown_steps: int = 5
     margin: float = 0.15             # in units of log
     starve_idle: float = 0.05        # trainer wait (fraction of a step) that marks a placement as starved
-    switch_cost_s: float = 10.0      # a switch's cost until one is measured (module docstring)
+    switch_cost_s: float = 10.0      # the least a switch is taken to cost (module docstring)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class PlacementPlanner:
         self.ceiling: int | None = None  # most trainer replicas the planner may propose (starvation ceiling)
         self.ceiling_rates = (0.0, 0.0)  # (p, t) when the ceiling was set
         self._here = [0.0, 0.0, 0.0, 0]  # Σ idle_T, Σ idle_R, Σ step_s, windows at this placement after its first
-        self.switch_s = settings.switch_cost_s   # what a switch costs: the setting, then the latest measured
+        self.switch_s = settings.switch_cost_s   # what a switch costs: the setting, or the latest measured if longer
 
     # -- feasible placements ------------------------------------------------------------------
 
@@ -201,7 +203,7 @@ class PlacementPlanner:
         """The placement changed to ``n_t`` trainer replicas, the switch taking ``switch_s`` seconds of wall
         time (None: not measured, as on a restore); rates are re-measured from here."""
         if switch_s is not None:
-            self.switch_s = switch_s
+            self.switch_s = max(self.s.switch_cost_s, switch_s)
         self.current = n_t
         self.steps_since_change = 0
         self._here = [0.0, 0.0, 0.0, 0]
