@@ -291,8 +291,9 @@ class SchedulerConfig:
                                             "\"STEP:TRAINER_REPLICAS\" (e.g. [\"50:1\", \"120:2\"]): after STEP the pool "
                                             "switches to that many trainer replicas at the next sync point.")
     cooldown_steps: int = opt(5, "Steps between two placement changes, at least.", ge=1)
-    placement_margin: float = opt(0.15, "A new placement must improve |log(fresh coverage / target)| by more than "
-                                        "this (hysteresis against noise).", ge=0)
+    placement_margin: float = opt(0.15, "A new placement must be predicted to step faster by more than this, in log "
+                                        "of the step time (0.15: 16 %; hysteresis against noise in the measured rates).",
+                                  ge=0)
     placement_ema: float = opt(0.3, "Weight of the newest window in the planner's smoothed rates.", gt=0, le=1)
     starve_idle: float = opt(0.05, "Trainers that waited for data more than this fraction of their steps at a placement "
                                    "(mean over its windows after the first) while the rollout workers were busy mark "

@@ -16,20 +16,32 @@ dispatch window or the staleness bound, would have done more, so the planner cor
     p = produced / (n_R · step_s · (1 − idle_R))      fresh samples per second of one busy rollout worker
     t = step_s · (1 − idle_T) · n_T                    compute seconds of one step on one trainer replica
 
-Both are smoothed over windows with an exponential moving average of weight ``ema_alpha``.
+Both are smoothed over windows with an exponential moving average of weight ``ema_alpha``; ``p`` as
+the ratio of the smoothed numerator and denominator, not as a smoothed ratio. A window in which the
+rollout workers were idle almost throughout tells little about their rate, and dividing by its sliver
+of busy time would inflate ``p`` a hundredfold on the samples that happened to finish in it (4 CPU
+ranks: log mismatches of 5–7, that is a supply predicted 150–1,000 times too large, for the rest of
+the run). As a ratio of sums such a window weighs by the busy time it had.
 
 Feasible placements are every ``(n_T, n_R)`` with ``n_T·s_T + n_R·s_R = W``, ``n_T ≥ 1`` and
 ``n_R ≥ 1`` (``s_T``, ``s_R``: workers per trainer replica and per rollout instance). For each the
-rates are extrapolated linearly (data-parallel replicas; independent engines)::
+rates are extrapolated linearly (data-parallel replicas; independent engines) to a predicted step time::
 
-    step'     = t / n_T'                  the trainer-bound step time
-    coverage' = p · n_R' · step'          fresh samples produced during one step
-    mismatch' = | log(coverage' / (b − r)) |  (r smoothed like p and t)
+    step'(n_T) = max(t / n_T', (b − r) / (p · n_R'))      trainer-bound or fresh-supply-bound
 
-and the placement with the smallest mismatch is proposed (ties: the current placement, then more
-rollout workers). It is applied only when (1) at least ``cooldown_steps`` steps passed since the
-last change, and (2) it improves the mismatch of the current placement by more than ``margin``
-(hysteresis: noise around a balance point does not move workers back and forth).
+(``r`` smoothed like ``p`` and ``t``), and the placement that steps fastest is proposed (ties: the
+current placement, then more rollout workers). It is applied only when (1) at least
+``cooldown_steps`` steps passed since the last change, and (2) it is predicted to step faster by more
+than ``margin`` in log (hysteresis: noise around a balance point does not move workers back and
+forth).
+
+The paper's Algorithm 1 proposes the placement of the smallest mismatch ``|log(coverage' / (b − r))|``,
+``coverage' = p · n_R' · t / n_T'`` the fresh samples produced during one trainer-bound step. It is
+kept as the reported balance of the placement in force (``placement/mismatch``), not as the choice:
+it scores an oversupply and an undersupply of equal log size alike, though they step at different
+speeds. On 4 CPU ranks it moved 2:2 → 3:1, where its one rollout worker starved three trainers,
+with the same predicted step time (0.400 s against 0.405 s); and near a balance point a noise of a
+few percent in ``p·t`` flips which side it prefers by more than its margin.
 
 Starvation ceiling. The model balances mean rates, but a step needs its fresh samples when it
 starts: near the balance point the fresh supply of some steps falls short (group completion, the
@@ -46,19 +58,13 @@ with at most ``k``, and proposes no more than ``k`` trainer replicas until the p
 coverage of every placement (∝ ``p·t``) has grown by more than ``2·margin`` (in log) since then, that
 is until the workload changed in favour of training.
 
-A move must pay for its switch. The same rates predict each placement's step time,
-
-    step'(n_T) = max(t / n_T', (b − r) / (p · n_R'))      trainer-bound or fresh-supply-bound
-
-and a move is made only when the time it is predicted to save over the steps left in the run,
-``(step'(current) − step'(proposed)) · steps_left``, exceeds the cost of one switch: ``switch_cost_s``,
-or the wall time of the run's latest switch when that was longer. The setting is a floor because the
-wall time misses most of the cost: the pipeline drains before a switch and refills after it (4 CPU
-ranks: switches of 0.03–0.09 s, but the step after one took 0.99 s against 0.4 s). The mismatch may
-favour a placement that steps no faster (an oversupply and an undersupply of equal log size score
-alike); a move near the balance point is predicted to save little, and is not made. A retreat from a
-starved placement is exempt: its saving was measured, and the linear rates are what misjudged that
-placement in the first place.
+A move must pay for its switch: it is made only when the time it is predicted to save over the steps
+left in the run, ``(step'(current) − step'(proposed)) · steps_left``, exceeds the cost of one switch:
+``switch_cost_s``, or the wall time of the run's latest switch when that was longer. The setting is a
+floor because the wall time misses most of the cost: the pipeline drains before a switch and refills
+after it (4 CPU ranks: switches of 0.03–0.09 s, but the step after one took 0.99 s against 0.4 s). A
+retreat from a starved placement is exempt from both the margin and the switch cost: its saving was
+measured, and the linear rates are what misjudged that placement in the first place.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ class PlacementSettings:
     sigma: float = 0.5
     ema_alpha: float = 0.3
     cooldown_steps: int = 5
-    margin: float = 0.15             # in units of log
+    margin: float = 0.15             # log of the predicted step time
     starve_idle: float = 0.05        # trainer wait (fraction of a step) that marks a placement as starved
     switch_cost_s: float = 10.0      # the least a switch is taken to cost (module docstring)
 
@@ -100,7 +106,9 @@ class PlacementPlanner:
     def __init__(self, settings: PlacementSettings, n_trainers: int):
         self.s = settings
         self.current = n_trainers
-        self.rate = None                 # p, smoothed
+        self.rate = None                 # p: produced ÷ busy worker-seconds, each smoothed
+        self._produced = None            # smoothed fresh samples per window
+        self._busy = None                # smoothed busy rollout worker-seconds per window
         self.train_s = None              # t, smoothed
         self.supply = None               # r, replay samples a batch can draw, smoothed
         self.steps_since_change = 0
@@ -133,11 +141,13 @@ class PlacementPlanner:
         ``steps_left``: optimizer steps the run has still to take (None: unbounded, no switch is too dear)."""
         self.steps_since_change += 1
         n_t, n_r = self.current, self.rollouts(self.current)
-        busy_r = max(1e-9, w.step_s * (1.0 - min(w.idle_rollout, 0.999)))
-        p = w.produced / (n_r * busy_r)
+        busy = n_r * w.step_s * (1.0 - min(max(w.idle_rollout, 0.0), 1.0))
         t = w.step_s * (1.0 - min(w.idle_trainer, 0.999)) * n_t
         a = self.s.ema_alpha
-        self.rate = p if self.rate is None else a * p + (1 - a) * self.rate
+        self._produced = w.produced if self._produced is None else a * w.produced + (1 - a) * self._produced
+        self._busy = busy if self._busy is None else a * busy + (1 - a) * self._busy
+        if self._busy > 0:
+            self.rate = self._produced / self._busy
         self.train_s = t if self.train_s is None else a * t + (1 - a) * self.train_s
         if w.replay_supply is not None:
             r = min(w.replay_supply, self.s.sigma * self.s.batch_size)
@@ -145,22 +155,25 @@ class PlacementPlanner:
         starved_step_s = self._starved(w)
         if self.ceiling is not None and self._rates_moved():
             self.ceiling = None
+        if self.rate is None:            # no rollout worker was busy yet: nothing to plan with
+            self.proposed = n_t
+            return None
         everything = self.feasible()
         fewer = [k for k in everything if k < n_t]
         if starved_step_s is not None and fewer and self.train_s / max(fewer) < starved_step_s:
             self.ceiling = max(fewer)
             self.ceiling_rates = (self.rate, self.train_s)
         feasible = [k for k in everything if self.ceiling is None or k <= self.ceiling or k == n_t]
-        scores = {k: self.mismatch(k) for k in feasible}
-        self.last_mismatch = scores.get(self.current, math.nan)
+        times = {k: self.step_time(k) for k in feasible}
+        self.last_mismatch = self.mismatch(n_t)
         above = self.ceiling is not None and n_t > self.ceiling
-        self.proposed = min((k for k in scores if not above or k != n_t),
-                            key=lambda k: (scores[k], k != self.current, k), default=n_t)
+        self.proposed = min((k for k in times if not above or k != n_t),
+                            key=lambda k: (times[k], k != self.current, k), default=n_t)
         if not self.s.elastic or self.proposed == self.current:
             return None
         if self.steps_since_change < self.s.cooldown_steps:
             return None
-        if not above and not scores[self.proposed] + self.s.margin < self.last_mismatch:
+        if not above and not math.log(times[n_t] / times[self.proposed]) > self.s.margin:
             return None
         if not above and steps_left is not None and not self.saving(self.proposed) * steps_left > self.switch_s:
             return None
