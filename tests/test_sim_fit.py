@@ -100,8 +100,13 @@ def test_the_cross_check_fits_first_when_the_runs_are_there(tmp_path):
     assert rep["fit"] and rep["runs"] == str(tmp_path)
     # simulated against itself once fitted: every ratio within a few per cent
     assert rep["max_abs_ratio_error"] < 0.05, rep["ratios"]
+    # and each mode on the primitives of its own runs, which here are those of every mode
+    own = rep["own_primitives"]
+    assert [m["mode"] for m in own["modes"]] == [m["mode"] for m in rep["modes"]]
+    assert own["max_abs_ratio_error"] < 0.05, own["ratios"]
     stale = cal.crosscheck(bench, seeds=1, refit=False)
     assert stale["fit"] is None and stale["max_abs_ratio_error"] > rep["max_abs_ratio_error"]
+    assert "own_primitives" not in stale
 
 
 def test_a_bench_without_its_runs_is_named_in_one_line(tmp_path):

@@ -121,6 +121,15 @@ def run_crosscheck(args) -> int:
               f"error {m['error']:+6.1%}")
     for r in rep["ratios"]:
         print(f"  {r['ratio']:<19} measured {r['measured']:5.2f}  simulated {r['simulated']:5.2f}  error {r['error']:+6.1%}")
+    own = rep.get("own_primitives")
+    if own:
+        print("each mode simulated on the primitives of its own runs (the event logic, not one cost model for all):")
+        for m in own["modes"]:
+            print(f"  {m['mode']:<13} measured {m['measured']:8.0f} tok/s  simulated {m['simulated']:8.0f} tok/s  "
+                  f"error {m['error']:+6.1%}")
+        for r in own["ratios"]:
+            print(f"  {r['ratio']:<19} measured {r['measured']:5.2f}  simulated {r['simulated']:5.2f}  "
+                  f"error {r['error']:+6.1%}")
     if args.json:
         print(json.dumps(rep, default=_plain))
     return 0
