@@ -26,7 +26,8 @@ engine step → ``sim.decode_base_s``
 
 Every mode weighs by its measured steps. What the fit returns are ``--set`` lines of the simulator's
 config (:func:`fit`) and the per-mode primitives it read (:func:`measure`), so that a primitive that
-depends on the mode shows as such.
+depends on the mode shows as such. The cross-check then also fits each mode to its own runs alone
+(``own_primitives`` in :func:`reflow_hpc.sim.calibrate.crosscheck`).
 """
 
 from __future__ import annotations
