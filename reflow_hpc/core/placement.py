@@ -175,7 +175,8 @@ class PlacementPlanner:
             return None
         if not above and not math.log(times[n_t] / times[self.proposed]) > self.s.margin:
             return None
-        if not above and steps_left is not None and not self.saving(self.proposed) * steps_left > self.switch_s:
+        saving = times[n_t] - times[self.proposed]            # seconds per step
+        if not above and steps_left is not None and not saving * steps_left > self.switch_s:
             return None
         return self.proposed
 
@@ -185,10 +186,6 @@ class PlacementPlanner:
             return math.nan
         supply = self.rate * self.rollouts(n_t)
         return max(self.train_s / n_t, self.fresh_target() / supply if supply > 0 else math.inf)
-
-    def saving(self, n_t: int) -> float:
-        """Seconds per step that moving to ``n_t`` trainer replicas is predicted to save."""
-        return self.step_time(self.current) - self.step_time(n_t)
 
     def _starved(self, w: Window) -> float | None:
         """The mean step time at this placement if its trainers waited for data while the rollout workers
