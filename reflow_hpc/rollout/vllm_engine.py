@@ -1,6 +1,6 @@
 """The ``vllm`` rollout engine: vLLM's ``LLMEngine`` behind the :class:`~reflow_hpc.rollout.engine.Engine`
 interface (DESIGN §6). Checked against the trainer and the torch engine by the shared conformance
-tests (``tests/engine_conformance.py``). Rules it implements:
+tests (``tests/helpers/engine_conformance.py``). Rules it implements:
 
 - **In process.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is forced before vLLM is imported, so the
   engine core and its one worker run in the calling process: nothing forks after MPI init. One
