@@ -1,11 +1,14 @@
 """What the replay-buffer index knows about one sample: its lifecycle state and its metadata.
 
 The payload (tokens, log-probs, per-token versions) stays on the worker that produced it; the index
-holds only this record. The states and terminal reasons are explained in :mod:`reflow_hpc.core.index`.
+holds only this record. The lifecycle through the states is drawn in :mod:`reflow_hpc.core.pool`; the
+terminal reasons are counted in :mod:`reflow_hpc.core.accounting`.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,3 +77,23 @@ class SampleRecord:
 
 
 ROW_FIELDS = tuple(SampleRecord.__dataclass_fields__)
+
+
+def check_finished(sample_id: int, reward: Any, min_version: Any, max_version: Any, loss_tokens: Any,
+                   base_weight: Any, *, max_allowed_version: int | None) -> None:
+    """What a finished sample must carry; ValueError naming the first bad field.
+
+    ``max_allowed_version`` is the published version no token can be newer than (None: unchecked).
+    """
+    sid = sample_id
+    if not (isinstance(reward, numbers.Real) and math.isfinite(reward)):
+        raise ValueError(f"sample {sid}: reward {reward!r} is not a finite number")
+    if not 0 <= min_version <= max_version:
+        raise ValueError(f"sample {sid}: token versions {min_version}..{max_version} must satisfy 0 ≤ min ≤ max")
+    if max_allowed_version is not None and max_version > max_allowed_version:
+        raise ValueError(f"sample {sid}: max token version {max_version} is newer than the published "
+                         f"version {max_allowed_version}")
+    if not (isinstance(loss_tokens, numbers.Integral) and loss_tokens >= 0):
+        raise ValueError(f"sample {sid}: loss_tokens {loss_tokens!r} must be an integer ≥ 0")
+    if not (isinstance(base_weight, numbers.Real) and math.isfinite(base_weight) and base_weight >= 0.0):
+        raise ValueError(f"sample {sid}: base_weight {base_weight!r} must be a finite number ≥ 0")

@@ -19,16 +19,20 @@ Add a sampler::
 
 and select it with ``[reflow] sampler = "long_first"``. ``from_settings(settings)`` receives the
 ``[reflow]`` config section (attribute access only) when the sampler needs parameters.
+
+A batch takes its replay samples through :func:`take_replay`, which holds a sampler to its contract
+(``k`` distinct ids of replay samples) and tells it that the picked ones left the pool; a sampler
+that breaks the contract stops the run with an error naming it, rather than training on a wrong batch.
 """
 
 from __future__ import annotations
 
 import abc
 import random
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from reflow_hpc.core.registry import Registry
-from reflow_hpc.core.sample import SampleRecord
+from reflow_hpc.core.sample import REPLAY, SampleRecord
 
 SAMPLERS: Registry = Registry("replay sampler", "reflow.sampler")
 
@@ -160,3 +164,17 @@ class MediumRewardSampler(PoolSampler):
 
     def eligible(self, sample: SampleRecord) -> bool:
         return self.reward_low < sample.reward < self.reward_high
+
+
+def take_replay(sampler: Sampler, k: int, rng: random.Random,
+                samples: Mapping[int, SampleRecord]) -> list[SampleRecord]:
+    """``k`` replay samples picked by ``sampler`` with ``rng`` and removed from it; RuntimeError when the
+    sampler returns anything but ``k`` distinct ids of live samples in the replay state."""
+    picked = sampler.pick(k, rng)
+    recs = [samples.get(sid) for sid in picked]
+    if len(picked) != k or len(set(picked)) != k or [rec for rec in recs if rec is None or rec.state != REPLAY]:
+        raise RuntimeError(f'replay sampler "{sampler.name}" returned {picked[:8]} for {k} slots: '
+                           f"expected {k} distinct ids of samples in the replay state")
+    for sid in picked:
+        sampler.remove(sid)
+    return recs

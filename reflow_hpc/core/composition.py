@@ -1,0 +1,120 @@
+"""Batch composition: which trainable samples one step trains on, and with what loss weights.
+
+σ (sigma) — replay cap.
+    A batch of ``b`` samples needs at least ``ceil(b(1-σ))`` unused ready samples; until then
+    :meth:`Composer.compose` returns None and changes nothing. Otherwise it takes
+    ``u = min(ready unused, b)`` unused samples, oldest first (lowest min version, then completion
+    order), and fills the ``r = b - u`` remaining slots with replay samples chosen by the sampler;
+    if the sampler cannot supply ``r``, the batch is not ready either. The replay fraction
+    ``λ = r/b`` therefore follows production and never exceeds σ. σ = 0 disables replay.
+τ (tau) — replay loss weight.
+    Each sample carries a base weight ``ω_i`` (1 unless its task says otherwise). Its loss weight is
+    ``w_i = ω_i`` (unused) or ``τ·ω_i`` (replay), normalised by ``Z = Σ w_j n_j / Σ n_j``
+    (``n_j`` = loss tokens of sample j) so that the token-weighted mean weight is 1
+    (:mod:`reflow_hpc.core.mixing`). Each batch reports ``α = τλ/(1-λ+τλ) ≤ τσ/(1-σ+τσ)``.
+
+A batch lists its unused samples first, then its replay samples; the sampler draws its randomness
+only from the composer's seeded ``random.Random``, so the same events give the same batches.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from reflow_hpc.core.mixing import loss_weights, max_replay_slots, mixing_weight
+from reflow_hpc.core.sample import READY, SampleRecord
+from reflow_hpc.core.samplers import Sampler, take_replay
+
+if TYPE_CHECKING:
+    from reflow_hpc.core.pool import Pool
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's training batch: unused samples first, then replay samples. Per-sample tuples
+    are aligned with ``sample_ids``."""
+    step: int                       # 0 for the first batch of the run
+    version: int                    # policy version when the batch was composed
+    sample_ids: tuple[int, ...]
+    owners: tuple[int, ...]         # rank to fetch each payload from
+    is_replay: tuple[bool, ...]
+    advantages: tuple[float, ...]
+    loss_weights: tuple[float, ...]  # normalised w̃_i
+    loss_tokens: tuple[int, ...]
+    staleness: tuple[int, ...]
+    rewards: tuple[float, ...]
+    times_used: tuple[int, ...]     # before this step
+    queue_s: tuple[float, ...]      # time from finished to this batch
+    replay_fraction: float          # λ = replay samples / b
+    alpha: float                    # τλ / (1 - λ + τλ)
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def num_replay(self) -> int:
+        return sum(self.is_replay)
+
+    @property
+    def num_unused(self) -> int:
+        return len(self.sample_ids) - self.num_replay
+
+
+class Composer:
+    """The σ and τ rules for batches of ``batch_size`` samples taken out of ``pool``, and the count
+    of batches composed. ``sampler`` picks the replay samples with the composer's ``rng``."""
+
+    def __init__(self, *, batch_size: int, sigma: float, tau: float, pool: Pool, sampler: Sampler, seed: int = 0):
+        self.batch_size, self.sigma, self.tau = batch_size, sigma, tau
+        self.max_replay = max_replay_slots(batch_size, sigma)       # floor(b·σ)
+        self.min_unused = batch_size - self.max_replay              # ceil(b·(1-σ))
+        self.pool, self.sampler = pool, sampler
+        self._count = pool.count        # read on every readiness query: one lookup fewer
+        self.rng = random.Random(seed)
+        self.step = 0                   # batches composed so far: the step number of the next batch
+
+    def ready(self) -> bool:
+        """Would the pool's unused samples, with the sampler's replay samples, make a batch? (σ rule; O(1))"""
+        unused, b = self._count[READY], self.batch_size
+        if unused >= b:
+            return True                 # u = b unused samples, no replay slot
+        return unused >= self.min_unused and self.sampler.available() >= b - unused
+
+    def compose(self, now: float) -> Batch | None:
+        """Take the next batch out of the pool (module docstring), or None — changing nothing."""
+        if not self.ready():
+            return None
+        pool = self.pool
+        u = min(pool.count[READY], self.batch_size)
+        r = self.batch_size - u
+        recs = pool.take_ready(u)
+        if r:
+            recs += take_replay(self.sampler, r, self.rng, pool.samples)
+        pool.start_training(recs)
+        batch = self.batch(recs, r, pool.version, now)
+        self.step += 1
+        return batch
+
+    def batch(self, recs: list[SampleRecord], replay: int, version: int, now: float) -> Batch:
+        """The batch of ``recs`` (unused first, ``replay`` replay samples last) at ``version``."""
+        # (list comprehensions: a batch is thousands of samples in the simulator, and tuple(generator) is slower)
+        is_replay = tuple([rec.times_used > 0 for rec in recs])
+        tokens = tuple([rec.loss_tokens for rec in recs])
+        lam = replay / self.batch_size
+        return Batch(
+            step=self.step, version=version,
+            sample_ids=tuple([rec.sample_id for rec in recs]),
+            owners=tuple([rec.owner for rec in recs]),
+            is_replay=is_replay,
+            advantages=tuple([rec.advantage for rec in recs]),
+            loss_weights=tuple(loss_weights(is_replay, tokens, self.tau, [rec.base_weight for rec in recs])),
+            loss_tokens=tokens,
+            staleness=tuple([version - rec.min_version for rec in recs]),
+            rewards=tuple([rec.reward for rec in recs]),
+            times_used=tuple([rec.times_used for rec in recs]),
+            queue_s=tuple([now - rec.finished_at for rec in recs]),
+            replay_fraction=lam,
+            alpha=mixing_weight(lam, self.tau),
+        )
