@@ -342,7 +342,10 @@ def report(summary: dict, cfg: Config) -> str:
     ends = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in b.items()
                      if k.startswith("buffer/") and k.split("/", 1)[1] in
                      ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost"))
-    lines.append(f"samples: {b.get('buffer/created', 0)} created; ended: {ends} "
+    # With σ > 0 a trained sample usually ends replayed-then-evicted, so the reasons alone hide training.
+    trained = (f"trained on: {b['buffer/trained_samples']} samples, plus {b['buffer/replayed_uses']} replays; "
+               if "buffer/trained_samples" in b else "")
+    lines.append(f"samples: {b.get('buffer/created', 0)} created; {trained}ended: {ends} "
                  f"({b.get('buffer/evicted_unused', 0)} of the evicted never trained)")
     return "\n".join(lines)
 
