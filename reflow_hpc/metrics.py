@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from .core.coordinator import StepRecord
+    from .core.outputs import StepRecord
 
 
 class StepMetrics:

@@ -239,8 +239,8 @@ def run_rank(cfg: Config, args: argparse.Namespace) -> int:
                 path = cfg.run_dir / "topology.json"
                 ok = "verified" if report.allreduce_ok and report.mpi_allreduce_ok else "FAILED"
                 print(f"self-check: {rt.size} ranks on {len(topo.nodes)} node(s), {report.backend} all-reduce "
-                      f"{ok}, handshake {rt.coordinator.handshake_s * 1e3:.1f} ms; wrote {path}", flush=True)
-                for node, gpus in gpus_by_node(rt.coordinator.hellos).items():
+                      f"{ok}, handshake {rt.pump.handshake_s * 1e3:.1f} ms; wrote {path}", flush=True)
+                for node, gpus in gpus_by_node(rt.pump.hellos).items():
                     seen = "; ".join(gpus) if gpus else "none (no NVML: CPU node, or nvidia-ml-py not installed)"
                     print(f"self-check: node {node}: GPUs seen by NVML: {seen}", flush=True)
             return 0 if report.allreduce_ok and report.mpi_allreduce_ok else 1
@@ -279,7 +279,7 @@ def train(rt) -> int:
     from .runtime.training import STOP_SIGNALS
     from .runtime.worker import Worker
 
-    side = rt.coordinator.side if rt.coordinator is not None else None
+    side = rt.pump.side if rt.pump is not None else None
     stop_signal: list[int] = []
 
     def on_stop(signum: int, frame: object) -> None:

@@ -51,6 +51,14 @@ def offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
+def ended_every_sample(summary: dict) -> bool:
+    """A finished run's coordinator summary: every sample created ended with one terminal reason."""
+    from reflow_hpc.core.sample import LIVE_STATES, TERMINAL_REASONS
+    buffer = summary["buffer"]
+    ended = sum(buffer[f"buffer/{r}"] for r in TERMINAL_REASONS)
+    return buffer["buffer/created"] == ended and not any(buffer[f"buffer/{s}"] for s in LIVE_STATES)
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:

@@ -42,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, table  # noqa: E402
 
 from reflow_hpc.config import load, to_dict  # noqa: E402
+from reflow_hpc.core import events as ev  # noqa: E402
 from reflow_hpc.core.commands import (Checkpoint, Dispatch, SaveCheckpoint, Sync, Train)  # noqa: E402
+from reflow_hpc.core.outputs import Outputs  # noqa: E402
 from reflow_hpc.metrics import StepMetrics  # noqa: E402
 from reflow_hpc.runtime.eventlog import encode  # noqa: E402
 from reflow_hpc.runtime.training import build_coordinator, pools  # noqa: E402
@@ -104,20 +106,20 @@ def synthesise(run_dir: Path, samples: int, seed: int = 0, sets: list[str] = ())
         busy[w] = start + seconds
         return start
 
-    def drain(now: float, out: list) -> None:
-        nonlocal finished
-        if c.events:
-            events.write("".join(encode(e) + "\n" for e in c.events))
-            c.events = []
-        for rec in c.completed:
+    version = 0                                  # the trainer's policy version
+
+    def drain(now: float, out: Outputs) -> None:
+        nonlocal version
+        if out.log:
+            events.write("".join(encode(e) + "\n" for e in out.log))
+        for rec in out.steps:
             metrics.write(json.dumps({"time": now, **step_metrics(rec)}) + "\n")
-        c.completed.clear()
-        c.checkpoints_written.clear()
-        for cmd in out:
+            version = rec.version + 1
+        for cmd in out.commands:
             if isinstance(cmd, Dispatch):
                 for s in cmd.samples:
                     n = int(min(RESPONSE_CAP, max(1, nprng.lognormal(np.log(RESPONSE_MEDIAN), RESPONSE_SIGMA))))
-                    p = 0.2 + 0.5 * c.index.version / (c.index.version + 2000.0)
+                    p = 0.2 + 0.5 * version / (version + 2000.0)
                     meta[s.sample_id] = (s.group_id, s.prompt_id, loaded[cmd.worker], p)
                     later(now + n / DECODE_TOKENS_PER_S * rng.uniform(0.8, 1.25), "finish", cmd.worker, s.sample_id, n)
             elif isinstance(cmd, Train):
@@ -135,10 +137,9 @@ def synthesise(run_dir: Path, samples: int, seed: int = 0, sets: list[str] = ())
                 later(busy[cmd.worker], "written", cmd.worker, cmd.tag)
             # Drop, Cancel, SetCap, Snapshot: nothing to model
 
-    out = c.begin(t0)
+    drain(t0, c.handle(ev.Start(t0)))
     for w in range(cfg.resources.workers):
-        out += c.ready(w, [], [], t0)
-    drain(t0, out)
+        drain(t0, c.handle(ev.Ready(w, t0)))
     while heap and finished < samples:
         now, _, kind, w, *rest = heapq.heappop(heap)
         if kind == "finish":
@@ -157,22 +158,21 @@ def synthesise(run_dir: Path, samples: int, seed: int = 0, sets: list[str] = ())
                               versions, plen, reward, "stop" if n < RESPONSE_CAP else "length", w)
             loc = writers[w].append([traj], now=now)[0]
             finished += 1
-            out = c.sample_finished(w, sid, reward=reward, min_version=lo, max_version=hi, loss_tokens=n,
-                                    finish_reason=traj.finish_reason, now=now, location=[loc.segment, loc.row],
-                                    total_tokens=plen + n)
+            out = c.handle(ev.SamplesFinished(w, now, [ev.FinishedSample(
+                sid, reward, lo, hi, n, traj.finish_reason, [loc.segment, loc.row], plen + n)]))
         elif kind == "step":
             step, tokens, idle = rest
             free_since[w] = now
-            out = c.step_done(w, step, stats={"tokens": float(tokens)}, idle_s=idle, fetch_s=0.0, now=now)
+            out = c.handle(ev.StepDone(w, now, step, {"tokens": float(tokens)}, idle))
         elif kind == "sync":
-            (version,) = rest
+            (published,) = rest
             if w in loaded:
-                loaded[w] = version
-            out = c.sync_done(w, version, seconds=SYNC_S, resumed=0, now=now)
+                loaded[w] = published
+            out = c.handle(ev.WeightsLoaded(w, now, published, SYNC_S))
         elif kind == "flushed":
-            out = c.shards_flushed(w, rest[0], {}, now=now)
+            out = c.handle(ev.TrajectoriesFlushed(w, now, rest[0], {}))
         else:
-            out = c.checkpoint_written(w, rest[0], str(run_dir / "checkpoints" / rest[0]), now=now)
+            out = c.handle(ev.CheckpointWritten(w, now, rest[0], str(run_dir / "checkpoints" / rest[0])))
         drain(now, out)
     for wr in writers.values():
         wr.close()
@@ -180,11 +180,11 @@ def synthesise(run_dir: Path, samples: int, seed: int = 0, sets: list[str] = ())
     metrics.close()
     summary = {**c.summary(), "synthetic": True}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    roles = c.roles()
+    roles = summary["roles"]
     (run_dir / "topology.json").write_text(json.dumps(
         {"world_size": cfg.resources.workers, "ranks": [{"rank": r, "role": roles[r]} for r in sorted(roles)],
          "config": to_dict(cfg)}, indent=1) + "\n")
-    return {"samples": finished, "steps": c.steps_done, "created": c.index.created,
+    return {"samples": finished, "steps": summary["steps"], "created": summary["buffer"]["buffer/created"],
             "shard_bytes": sum(p.stat().st_size for p in (run_dir / "shards").rglob("*.h5")),
             "event_lines": sum(1 for _ in open(run_dir / "events.jsonl", "rb"))}
 

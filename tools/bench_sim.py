@@ -7,8 +7,8 @@ Each cell is one simulated run of ``--mode`` on CONFIG (default: the paper's wor
 ``configs/sim_qwen3_8b_dapo.toml``) at that many GPUs and steps, in this process, one at a time.
 Reported: CPU seconds of the run (``time.process_time``, so other load on a shared machine does not
 count), simulated samples, events, microseconds per sample, and simulated seconds per CPU second.
-``--split`` also measures the CPU time spent inside the coordinator (``reflow_hpc.core``: every
-public event method, wrapped with a timer that adds a little overhead of its own). The last lines fit
+``--split`` also measures the CPU time spent inside the coordinator (``reflow_hpc.core``: its one
+entrance, ``handle``, wrapped with a timer that adds a little overhead of its own). The last lines fit
 ``cpu = a + b·samples`` over the cells and give the 1,024-GPU × 500-step estimate at the batch size
 used. Each row says whether the event loop ran compiled (``tools/compile_sim.py``) or interpreted;
 ``--interpreted`` (with a compiled build) also runs every cell on an interpreted copy of the package,
@@ -40,44 +40,29 @@ from reflow_hpc.sim.report import simulate  # noqa: E402
 OTHER_TREE = ("import runpy, sys; sys.path.insert(0, sys.argv[1]); import reflow_hpc; "
               "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
-CORE_EVENTS = ("begin", "ready", "sample_finished", "sample_failed", "step_done", "sync_done", "switched",
-               "shards_flushed", "checkpoint_written", "tick", "engine_load", "rollout_progress", "heard")
-
-
 class CoreTimer:
-    """Accumulates CPU time spent in the coordinator's event methods (outermost calls only)."""
+    """Accumulates CPU time spent in the coordinator (its one entrance, ``Coordinator.handle``)."""
 
     def __init__(self):
         self.seconds = 0.0
-        self._depth = 0
-        self._saved = {}
+        self._saved = None
 
     def __enter__(self):
         cls = core_coordinator.Coordinator
-        for name in CORE_EVENTS:
-            f = getattr(cls, name)
-            self._saved[name] = f
-            setattr(cls, name, self._wrap(f))
-        return self
-
-    def __exit__(self, *exc):
-        for name, f in self._saved.items():
-            setattr(core_coordinator.Coordinator, name, f)
-
-    def _wrap(self, f):
+        self._saved = f = cls.handle
         timer = self
 
         def timed(*a, **k):
-            if timer._depth:
-                return f(*a, **k)
-            timer._depth += 1
             t0 = time.process_time()
             try:
                 return f(*a, **k)
             finally:
                 timer.seconds += time.process_time() - t0
-                timer._depth -= 1
-        return timed
+        cls.handle = timed
+        return self
+
+    def __exit__(self, *exc):
+        core_coordinator.Coordinator.handle = self._saved
 
 
 def cell(config: str, mode: str, gpus: int, steps: int, batch: int | None, split: bool) -> dict:
@@ -91,7 +76,7 @@ def cell(config: str, mode: str, gpus: int, steps: int, batch: int | None, split
         res = simulate(config, mode, sets, gpus)
     cpu = time.process_time() - t0
     s = res.summary
-    samples = res.sim.coordinator.index.created
+    samples = res.sim.coordinator.summary()["buffer"]["buffer/created"]
     row = {"engine": "compiled" if compiled() else "interpreted",
            "gpus": gpus, "steps": steps, "batch": res.sim.cfg.trainer.batch_size, "workers": s["workers"],
            "cpu_s": cpu, "samples": samples, "events": s["events"], "us_per_sample": cpu / samples * 1e6,

@@ -18,8 +18,8 @@ from ..comm.channel import ControlChannel
 from ..comm.failure import failpoint, fatal
 from ..comm.mpi import RankTimeout, barrier, init
 from ..config import Config, ConfigError
-from ..core.coordinator import Unresponsive
-from .coordinator import CoordinatorSide, CoordinatorThread
+from ..core.liveness import Unresponsive
+from .pump import MessagePump, Side
 from .messages import TAG_COORDINATOR, Failure, Hello, Stop, Welcome
 from .service import ServiceThread
 from .telemetry import nvml_gpus
@@ -46,7 +46,7 @@ def pick_device(cfg: Config, local_rank: int) -> str:
 class Runtime:
     """Everything a worker's main thread uses to talk to the rest of the job."""
 
-    def __init__(self, cfg: Config, side_factory: Callable[[], CoordinatorSide] | None):
+    def __init__(self, cfg: Config, side_factory: Callable[[], Side] | None):
         self.cfg = cfg
         self.MPI = init(timeout_s=cfg.run.timeout_s)
         self.world = self.MPI.COMM_WORLD
@@ -58,11 +58,11 @@ class Runtime:
                               f"resources.workers agree (and the pool split with them)")
         self.control = ControlChannel(self.world, poll_min_s=cfg.run.poll_min_s, poll_max_s=cfg.run.poll_max_s)
         self.service = ServiceThread(self.control, on_fatal=self.fail)
-        self.coordinator: CoordinatorThread | None = None
+        self.pump: MessagePump | None = None
         if self.rank == 0:
             assert side_factory is not None
-            self.coordinator = CoordinatorThread(self.control, side_factory(), timeout_s=cfg.run.timeout_s,
-                                                 heartbeat_s=cfg.run.heartbeat_s, on_fatal=self._coordinator_failed)
+            self.pump = MessagePump(self.control, side_factory(), timeout_s=cfg.run.timeout_s,
+                                    heartbeat_s=cfg.run.heartbeat_s, on_fatal=self._coordinator_failed)
         self.data_comm: Any = None
         self.topology: Topology | None = None
         self.handshake_rtt_s = 0.0
@@ -73,8 +73,8 @@ class Runtime:
 
     def start(self) -> "Runtime":
         self.service.start()
-        if self.coordinator is not None:
-            self.coordinator.start()
+        if self.pump is not None:
+            self.pump.start()
         failpoint("handshake", self.rank)
         scratch = scratch_dir(self.cfg.storage.dir, self.cfg.run.name, self.rank)
         t0 = time.time()
@@ -133,9 +133,9 @@ class Runtime:
         timeout = self.cfg.run.timeout_s
         self.service.stop()
         self.service.join(timeout)
-        if self.coordinator is not None:
-            self.coordinator.join(timeout)
-            if self.coordinator.is_alive():
+        if self.pump is not None:
+            self.pump.join(timeout)
+            if self.pump.is_alive():
                 raise RankTimeout(0, "shutdown (coordinator thread did not end)", timeout)
         self.control.drain_sends(timeout)
         barrier(self.world, timeout=timeout, op="shutdown barrier")

@@ -1,6 +1,6 @@
 """The coordinator's event log on disk: one JSON object per line in ``<run dir>/events.jsonl``.
 
-The coordinator (pure) records events as small dicts (:meth:`~reflow_hpc.core.coordinator.Coordinator._log`).
+The coordinator (pure) records events as small dicts (the ``log`` of :class:`~reflow_hpc.core.outputs.Outputs`).
 The coordinator thread only hands each batch of them to :class:`EventWriter`, whose own thread turns
 them into lines and appends them, so the log takes the coordinator thread nothing but the hand-over.
 The events of every sample (``dispatch``, ``finish``, ``end``) are formatted directly, about five

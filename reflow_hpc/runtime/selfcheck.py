@@ -19,7 +19,7 @@ from ..comm.dist import backend_for, guarded, init_process_group
 from ..comm.mpi import NETMOD_VARS, library_version, wait_request
 from ..config import Config, to_dict
 from .context import Runtime
-from .coordinator import Outgoing
+from .pump import Outgoing
 from .messages import CheckReport, Hello
 
 

@@ -1,12 +1,14 @@
 """Rank 0's side of a training run: the pure :class:`~reflow_hpc.core.coordinator.Coordinator` between
 the message pump and the run directory.
 
-Plumbing only. Each worker message goes to the coordinator event of its type (the ``handlers``
-table); the commands the coordinator returns go to the worker they name, as they are. Around that,
-the few things that touch files: the coordinator's state is restored from the newest checkpoint,
-``topology.json`` is written at the start, the step records become metrics
-(:class:`~reflow_hpc.metrics.StepMetrics`, to JSONL, the progress line and TensorBoard), and
-``summary.json`` is written at the end.
+Plumbing only. Each worker message becomes the coordinator event of its type (the ``events`` table,
+:mod:`reflow_hpc.core.events`) and goes to ``Coordinator.handle``; the commands in what it returns
+(:class:`~reflow_hpc.core.outputs.Outputs`) go to the worker they name, as they are. Around that, the
+few things that touch files: the coordinator's state is restored from the newest checkpoint,
+``topology.json`` is written at the start and after role switches, the event-log lines go to
+``events.jsonl``, the step records become metrics (:class:`~reflow_hpc.metrics.StepMetrics`, to JSONL,
+the progress line and TensorBoard), and ``summary.json`` is written at the end. Nothing of the
+coordinator is read but its outputs and ``summary()``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Any, Callable
 
 from ..config import Config, to_dict
 from ..coordination import coordinator_settings, new_coordinator
+from ..core import events as ev
 from ..core.coordinator import Coordinator
 from ..core.index import RecoveredSample
 from ..core.modes import rules
+from ..core.outputs import Outputs
 from ..core.scheduling import EngineLoad
 from ..metrics import MetricsSink, StepMetrics
 from .eventlog import EventWriter
@@ -77,19 +81,23 @@ class TrainingSide:
         self.event_seconds = 0.0
         self.busy_seconds = 0.0
         self.started_at = 0.0
+        self.finished = False
+        self.stop_asked = False                 # set by the signal handler, acted on by the coordinator thread
         self.summary: dict[str, Any] = {}
-        c = self.coordinator
-        self.handlers: dict[type, Callable[[int, Any, float], list]] = {
+        # Each message as the coordinator event it reports.
+        self.events_of: dict[type, Callable[[int, Any, float], Any]] = {
             Heartbeat: self._heartbeat,
             Ready: self._ready,
-            SamplesFinished: self._samples_finished,
-            SamplesFailed: self._samples_failed,
-            StepDone: lambda w, m, now: c.step_done(w, m.step, stats=m.stats, idle_s=m.idle_s, fetch_s=m.fetch_s,
-                                                    now=now),
-            SyncDone: lambda w, m, now: c.sync_done(w, m.version, seconds=m.seconds, resumed=m.resumed, now=now),
-            ShardsFlushed: lambda w, m, now: c.shards_flushed(w, m.tag, m.manifest, now=now, partials=m.partials),
-            CheckpointWritten: lambda w, m, now: c.checkpoint_written(w, m.tag, m.path, now=now),
-            Switched: lambda w, m, now: c.switched(w, handed_off=m.handed_off, seconds=m.seconds, now=now),
+            SamplesFinished: lambda w, m, now: ev.SamplesFinished(
+                w, now, [ev.FinishedSample(s.sample_id, s.reward, s.min_version, s.max_version, s.loss_tokens,
+                                           s.finish_reason, s.location, s.total_tokens) for s in m.samples],
+                m.idle_s, m.generated_tokens, _load(m.load)),
+            SamplesFailed: lambda w, m, now: ev.SamplesFailed(w, now, m.sample_ids, m.error),
+            StepDone: lambda w, m, now: ev.StepDone(w, now, m.step, m.stats, m.idle_s, m.fetch_s),
+            SyncDone: lambda w, m, now: ev.WeightsLoaded(w, now, m.version, m.seconds, m.resumed),
+            ShardsFlushed: lambda w, m, now: ev.TrajectoriesFlushed(w, now, m.tag, m.manifest, m.partials),
+            CheckpointWritten: lambda w, m, now: ev.CheckpointWritten(w, now, m.tag, m.path),
+            Switched: lambda w, m, now: ev.Switched(w, now, m.handed_off, m.seconds),
         }
         self.hellos: list[Hello] = []
         self.handshake_s = 0.0
@@ -97,7 +105,7 @@ class TrainingSide:
 
     def request_stop(self, signum: int = 0, _frame: Any = None) -> None:
         """Signal handler (rank 0 main thread): finish the current step, checkpoint, stop."""
-        self.coordinator.request_stop()
+        self.stop_asked = True
 
     # ------------------------------------------------------------------------------ the pump's hooks
 
@@ -106,102 +114,65 @@ class TrainingSide:
         c = self.coordinator
         self.started_at = now
         self.hellos, self.handshake_s = hellos, handshake_s
-        write_topology(self.cfg, hellos, None, handshake_s, c.roles())
+        summary = c.summary()
+        write_topology(self.cfg, hellos, None, handshake_s, summary["roles"])
         if self.resume_from is not None:
-            print(f"coordinator: resuming from {self.resume_from} (step {c.steps_done}, version "
-                  f"{c.index.version})", flush=True)
+            print(f"coordinator: resuming from {self.resume_from} (step {summary['steps']}, version "
+                  f"{summary['version']})", flush=True)
             from ..train.checkpoint import resume_changes
             _, free = resume_changes(self.resume_from, to_dict(self.cfg))
             if free:
                 print("coordinator: config changed since that checkpoint: "
                       + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in free), flush=True)
-        return self._out(c.begin(now))
+        return self._out(c.handle(ev.Start(now)))
 
     def on_message(self, source: int, msg: Any, now: float) -> Outgoing:
         t0 = time.thread_time()
-        handler = self.handlers.get(type(msg))
-        if handler is None:
+        event_of = self.events_of.get(type(msg))
+        if event_of is None:
             raise RuntimeError(f"rank 0: coordinator: unexpected {type(msg).__name__} from rank {source}")
-        self.coordinator.heard(source, now)
-        out = self._out(handler(source, msg, now))
+        out = self._out(self.coordinator.handle(event_of(source, msg, now)))
         self.busy_seconds += time.thread_time() - t0
         return out
 
     def on_tick(self, now: float) -> Outgoing:
         t0 = time.thread_time()
-        c = self.coordinator
-        before = c.stopped_early
-        out = c.tick(now)
-        if c.stopped_early != before:
-            print(f"coordinator: {c.stopped_early}: finishing the current step and checkpointing", flush=True)
-        out = self._out(out)
+        out: Outgoing = []
+        if self.stop_asked:
+            self.stop_asked = False
+            out += self._out(self.coordinator.handle(ev.Stop(now)))
+        out += self._out(self.coordinator.handle(ev.Tick(now)))
         self.busy_seconds += time.thread_time() - t0
         return out
 
     def done(self) -> bool:
-        return self.coordinator.done
+        return self.finished
 
-    # ------------------------------------------------------------------------------ handlers
+    # ------------------------------------------------------------------------------ events
 
-    def _heartbeat(self, source: int, msg: Heartbeat, now: float) -> list:
+    def _heartbeat(self, source: int, msg: Heartbeat, now: float) -> ev.Heartbeat:
         if msg.gpu:
             self.gpu[source] = msg.gpu
-        self.coordinator.rollout_progress(source, idle_s=msg.idle_s, generated_tokens=msg.generated_tokens)
-        return self._load(source, msg.load, now)
+        return ev.Heartbeat(source, now, msg.idle_s, msg.generated_tokens, _load(msg.load))
 
-    def _load(self, source: int, load: EngineReport | None, now: float) -> list:
-        if load is None:
-            return []
-        return self.coordinator.engine_load(source, EngineLoad(load.kv_tokens_used, load.kv_tokens_budget,
-                                                               load.preemptions, load.running, load.queued), now)
-
-    def _ready(self, source: int, msg: Ready, now: float) -> list:
+    def _ready(self, source: int, msg: Ready, now: float) -> ev.Ready:
         inventory = [RecoveredSample(s["sample_id"], s["group_id"], s["prompt_id"], source, s["reward"],
                                      s["min_version"], s["max_version"], s["loss_tokens"], s.get("location"))
                      for s in msg.inventory]
         self.setup_costs.append((msg.groups, msg.groups_s))
-        out = self.coordinator.ready(source, inventory, msg.lost, now)
-        if self.coordinator.phase != "setup" and self.resume_from is not None:
-            g = self.coordinator.index.gauges()
-            print(f"coordinator: buffer after resume: {g['buffer/ready']} ready, {g['buffer/replay']} replay, "
-                  f"{self.coordinator.recovered} recovered from shards, {g['buffer/lost']} lost, "
-                  f"{g['buffer/aborted']} aborted", flush=True)
-        return out
+        return ev.Ready(source, now, inventory, msg.lost)
 
-    def _samples_finished(self, source: int, msg: SamplesFinished, now: float) -> list:
-        c = self.coordinator
-        c.rollout_progress(source, idle_s=msg.idle_s, generated_tokens=msg.generated_tokens)
-        out: list = []
-        for s in msg.samples:
-            out += c.sample_finished(source, s.sample_id, reward=s.reward, min_version=s.min_version,
-                                     max_version=s.max_version, loss_tokens=s.loss_tokens,
-                                     finish_reason=s.finish_reason, location=s.location,
-                                     total_tokens=s.total_tokens, now=now)
-        return out + self._load(source, msg.load, now)
+    # ------------------------------------------------------------------------------ outputs
 
-    def _samples_failed(self, source: int, msg: SamplesFailed, now: float) -> list:
-        out: list = []
-        for sid in msg.sample_ids:
-            out += self.coordinator.sample_failed(source, sid, now=now)
-        print(f"coordinator: rank {source}: {len(msg.sample_ids)} sample(s) failed: {msg.error}", flush=True)
-        return out
-
-    # ------------------------------------------------------------------------------ helpers
-
-    def _write_events(self) -> None:
-        c = self.coordinator
-        if not c.events:
-            return
-        t0 = time.perf_counter()      # nothing in between can wait for the GIL: wall time is its CPU time
-        if self.events is not None:
-            self.events.put(c.events)
-        c.events = []
-        self.event_seconds += time.perf_counter() - t0
-
-    def _out(self, commands: list) -> Outgoing:
-        c = self.coordinator
-        self._write_events()
-        for rec in c.completed:
+    def _out(self, out: Outputs) -> Outgoing:
+        if out.log:
+            t0 = time.perf_counter()      # nothing in between can wait for the GIL: wall time is its CPU time
+            if self.events is not None:
+                self.events.put(out.log)
+            self.event_seconds += time.perf_counter() - t0
+        for line in out.notices:
+            print(f"coordinator: {line}", flush=True)
+        for rec in out.steps:
             record = self.step_metrics(rec)
             record.update(gpu_step_metrics(self.gpu))
             self.metrics.write(record)
@@ -211,24 +182,32 @@ class TrainingSide:
                       f"{sw['rollouts']} rollout worker(s) (switch {sw['seconds']:.2f} s)", flush=True)
             if rec.switches:
                 from .selfcheck import write_topology
-                write_topology(self.cfg, self.hellos, None, self.handshake_s, c.roles(),
-                               timeline=[{"step": step, "trainer_replicas": n} for step, n in c.placements])
-        c.completed.clear()
-        for tag, _, path in c.checkpoints_written:
+                summary = self.coordinator.summary()
+                write_topology(self.cfg, self.hellos, None, self.handshake_s, summary["roles"],
+                               timeline=[{"step": step, "trainer_replicas": n} for step, n in summary["placements"]])
+        for tag, _, path in out.checkpoints:
             print(f"coordinator: checkpoint {path} written", flush=True)
             if self.events is not None:
                 self.events.flush()          # a checkpoint's events are on disk with it
-        c.checkpoints_written.clear()
-        if c.done and not self.summary:
-            self._write_events()
-            log = {}
-            if self.events is not None:
-                self.events.close()
-                log = {"events": self.events.events, "coordinator_cpu_seconds": self.busy_seconds,
-                       "handover_cpu_seconds": self.event_seconds, "writer_cpu_seconds": self.events.cpu_seconds}
-            self.summary = {**c.summary(), "wall_seconds": time.time() - self.started_at, "event_log": log,
-                            "process_groups": max((n for n, _ in self.setup_costs), default=0),
-                            "process_groups_seconds": max((t for _, t in self.setup_costs), default=0.0)}
-            self.metrics.close()
-            (self.cfg.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
-        return [(cmd.worker, cmd) for cmd in commands]
+        if out.done and not self.finished:
+            self._finish()
+        return [(cmd.worker, cmd) for cmd in out.commands]
+
+    def _finish(self) -> None:
+        self.finished = True
+        log = {}
+        if self.events is not None:
+            self.events.close()
+            log = {"events": self.events.events, "coordinator_cpu_seconds": self.busy_seconds,
+                   "handover_cpu_seconds": self.event_seconds, "writer_cpu_seconds": self.events.cpu_seconds}
+        self.summary = {**self.coordinator.summary(), "wall_seconds": time.time() - self.started_at, "event_log": log,
+                        "process_groups": max((n for n, _ in self.setup_costs), default=0),
+                        "process_groups_seconds": max((t for _, t in self.setup_costs), default=0.0)}
+        self.metrics.close()
+        (self.cfg.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
+
+
+def _load(load: EngineReport | None) -> EngineLoad | None:
+    if load is None:
+        return None
+    return EngineLoad(load.kv_tokens_used, load.kv_tokens_budget, load.preemptions, load.running, load.queued)

@@ -54,10 +54,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final
 
+from ..core import events as ev
 from ..core.commands import (Cancel, Checkpoint, Dispatch, Drop, Resume, SaveCheckpoint, SetCap, Setup, Snapshot,
                              Switch, Sync, Train)
-from ..core.coordinator import Coordinator
+from ..core.coordinator import Coordinator, Settings
 from ..core.modes import ModeRules
+from ..core.phase import Phase
 from ..core.scheduling import EngineLoad
 from .costs import Costs, decode_steps, decode_time
 from .lengths import LengthModel, SampleShape
@@ -126,7 +128,8 @@ class Activity:
 
 @dataclass
 class Collective:
-    members: frozenset
+    members: frozenset                              # who must arrive (a sync's group)
+    size: int                                       # how many must arrive
     arrived: dict = field(default_factory=dict)     # worker -> (command, arrival time, trainer idle)
 
 
@@ -163,7 +166,7 @@ class Worker:
         self.kv_admit_limit = self.kv_capacity * (1.0 - sim.cfg.sim.kv_watermark)   # admission stops above it
         # Costs.decode_terms, its constants folded once (it is needed at every event).
         self._a0, self._a1, self._c0, self._c1 = sim.costs.decode_coefficients(place.tp, place.engines)
-        self.cap = sim.coordinator.settings.cap_max
+        self.cap = sim.settings.cap_max
         self.preemptions = 0
         # Clocks and counters.
         self.idle_s = 0.0
@@ -426,20 +429,21 @@ class Simulation:
     method) and ``costs`` default to the config's. ``on_command(cmd, now)`` sees every command the
     coordinator emits, ``on_train(cmd, segments, now)`` every replica's share of a batch with the
     ``(version, tokens)`` segments of each of its samples, and ``on_finished(worker, requests, now)``
-    the samples a worker finishes. ``check_invariants`` runs the index's
-    invariant check after every event (tests). ``timeline`` records each worker's activity.
+    the samples a worker finishes. ``timeline`` records each worker's activity. ``settings`` are the
+    ones ``coordinator`` was built with; the simulator reads nothing of the coordinator but what
+    :meth:`~reflow_hpc.core.coordinator.Coordinator.handle` returns and its summary.
     """
 
-    def __init__(self, cfg, coordinator: Coordinator, place: Placement, *, lengths: Any = None,
+    def __init__(self, cfg, coordinator: Coordinator, settings: Settings, place: Placement, *, lengths: Any = None,
                  costs: Costs | None = None, on_command: Callable | None = None, on_train: Callable | None = None,
-                 on_finished: Callable | None = None, check_invariants: bool = False, timeline: bool = False):
-        self.cfg, self.coordinator, self.place = cfg, coordinator, place
-        self.rules: ModeRules = coordinator.rules
+                 on_finished: Callable | None = None, timeline: bool = False):
+        self.cfg, self.coordinator, self.settings, self.place = cfg, coordinator, settings, place
+        self.rules: ModeRules = settings.rules
+        self.phase = Phase.NEW                         # the coordinator's, after the last event it handled
         self.costs = costs or Costs.from_config(cfg)
         self.lengths = lengths or LengthModel.from_config(cfg)
         self.rng = random.Random(cfg.run.seed * 7 + 1)
         self.on_command, self.on_train, self.on_finished = on_command, on_train, on_finished
-        self.check_invariants = check_invariants
         self.timeline: list[Activity] | None = [] if timeline else None
         self.queue: list[tuple[float, int, int, Any, Any]] = []      # (time, sequence, kind, a, b)
         self.seq = 0
@@ -455,6 +459,8 @@ class Simulation:
         self.collectives: dict[tuple, Collective] = {}
         self.collectives_done: set[tuple] = set()        # syncs whose broadcast ended
         self.records: list = []                         # StepRecords, in order
+        self.checkpoints: list[tuple[str, int, str]] = []    # (tag, step, path) of every checkpoint written
+        self.log: list[dict] = []                       # the event log (with the coordinator's event_log on)
         self.train_seconds: list[float] = []            # slowest replica's compute time per step
         self.sync_seconds: list[float] = []
         self.switch_seconds: list[float] = []
@@ -465,7 +471,7 @@ class Simulation:
         self.max_new_tokens = cfg.rollout.max_new_tokens
         # Engine loads feed only the adaptive controller, which acts at most once per control interval
         # and worker (core/scheduling.py): a report within the interval changes nothing, so none is made.
-        sch = coordinator.settings.scheduling
+        sch = settings.scheduling
         self.load_interval = sch.control_interval_s if sch.adaptive and not place.colocated else math.inf
 
     @property
@@ -491,16 +497,14 @@ class Simulation:
             gc.set_threshold(*saved)
 
     def _run(self) -> "Simulation":
-        c = self.coordinator
-        self.deliver(c.begin(0.0))
+        self.deliver(self.handle(ev.Start(0.0)))
         self.push(self.cfg.sim.tick_s, _TICK, None)
         workers, queue = self.workers, self.queue
-        check = self.check_invariants
-        # The runtime ticks after every message (runtime/coordinator.py) as well as periodically; a tick
+        # The runtime ticks after every message (runtime/pump.py) as well as periodically; a tick
         # matters only for a time budget here (simulated workers are never silent), so only then is it
         # worth its cost after every event.
-        tick_always = self.cfg.trainer.time_budget_s > 0 or c.settings.time_budget_s > 0
-        while queue and not c.done:
+        tick_always = self.cfg.trainer.time_budget_s > 0 or self.settings.time_budget_s > 0
+        while queue and self.phase is not Phase.FINISHED:
             t, _, kind, a, b = heapq.heappop(queue)
             self.now = t
             self.events += 1
@@ -521,16 +525,12 @@ class Simulation:
                 self.send(functools.partial(self._ready, a))
             elif kind == _TICK:
                 self.tick(t)
-            if tick_always and kind != _TICK and not c.done:
-                self.deliver(c.tick(t))
-            if c.completed:
-                self.records.extend(c.completed)
-                c.completed.clear()
-            if check:
-                c.index.check_invariants()
-        if not c.done:
+            if tick_always and kind != _TICK and self.phase is not Phase.FINISHED:
+                self.deliver(self.handle(ev.Tick(t)))
+        if self.phase is not Phase.FINISHED:
+            s = self.coordinator.summary()
             raise RuntimeError(f"sim: the event queue ran dry at t = {self.now:.3f} s before the run ended "
-                               f"(step {c.steps_done} of {c.steps}): a command was never answered")
+                               f"(step {s['steps']} of {s['steps_target']}): a command was never answered")
         for w in workers.values():
             w.update_idle(self.now)
             if self.timeline is not None and w.activity_kind is not None and self.now > w.activity_since:
@@ -544,24 +544,32 @@ class Simulation:
         else:
             arrive(self.now)
 
+    def handle(self, event: Any) -> list:
+        """The coordinator handles ``event``: the commands it gives (the step records are kept)."""
+        out = self.coordinator.handle(event)
+        if out.steps:
+            self.records.extend(out.steps)
+        if out.log:
+            self.log.extend(out.log)
+        if out.checkpoints:
+            self.checkpoints.extend(out.checkpoints)
+        self.phase = out.phase
+        return out.commands
+
     def _ready(self, wid: int, now: float) -> None:
-        c = self.coordinator
-        c.heard(wid, now)
-        self.deliver(c.ready(wid, [], [], now))
+        self.deliver(self.handle(ev.Ready(wid, now)))
 
     def tick(self, now: float) -> None:
         """The coordinator's timer, after every worker's heartbeat (``runtime/service.py``)."""
-        c = self.coordinator
         out: list = []
         for w in self.workers.values():
-            c.heard(w.wid, now)
-            c.rollout_progress(w.wid, idle_s=w.idle_now(now), generated_tokens=int(w.generated_tokens))
-            load = self.load_report(w, now) if w.is_rollout and c.phase == "running" else None
-            if load is not None:
-                out += c.engine_load(w.wid, load, now)
+            # The progress figures as they stood before the load report brings the engine up to date.
+            idle, generated = w.idle_now(now), int(w.generated_tokens)
+            load = self.load_report(w, now) if w.is_rollout and self.phase.started else None
+            out += self.handle(ev.Heartbeat(w.wid, now, idle, generated, load))
         self.deliver(out)
-        self.deliver(c.tick(now))
-        if not c.done:
+        self.deliver(self.handle(ev.Tick(now)))
+        if self.phase is not Phase.FINISHED:
             self.push(now + self.cfg.sim.tick_s, _TICK, None)
 
     # ------------------------------------------------------------------------------------------
@@ -677,21 +685,13 @@ class Simulation:
                 lo = hi = w.version
             r.total = r.context()
             self.samples[r.sid] = r
-            samples.append((r.sid, r.reward, lo, hi, r.generated, "length" if r.generated >= cap else "stop", r.total))
+            samples.append(ev.FinishedSample(r.sid, r.reward, lo, hi, r.generated,
+                                             "length" if r.generated >= cap else "stop", None, r.total))
         wid, idle, generated = w.wid, w.idle_now(now), int(w.generated_tokens)
         load = self.load_report(w, now) if w.is_rollout else None
 
         def arrive(t: float) -> None:
-            c = self.coordinator
-            c.heard(wid, t)
-            c.rollout_progress(wid, idle_s=idle, generated_tokens=generated)
-            out: list = []
-            for sid, reward, lo, hi, tokens, reason, total in samples:
-                out += c.sample_finished(wid, sid, reward=reward, min_version=lo, max_version=hi, loss_tokens=tokens,
-                                         finish_reason=reason, total_tokens=total, now=t)
-            if load is not None:
-                out += c.engine_load(wid, load, t)
-            self.deliver(out)
+            self.deliver(self.handle(ev.SamplesFinished(wid, t, samples, idle, generated, load)))
         self.send(arrive)
 
     def load_report(self, w: Worker, now: float) -> EngineLoad | None:
@@ -713,9 +713,9 @@ class Simulation:
         key = ("train", cmd.step)
         col = self.collectives.get(key)
         if col is None:
-            col = self.collectives[key] = Collective(frozenset(self.coordinator.trainers))
+            col = self.collectives[key] = Collective(frozenset(), cmd.replicas)     # every trainer rank
         col.arrived[w.wid] = (cmd, now, idle)
-        if len(col.arrived) < len(col.members):
+        if len(col.arrived) < col.size:
             return
         del self.collectives[key]
         mode = self.rules.mode
@@ -778,7 +778,7 @@ class Simulation:
             return
         col = self.collectives.get(key)
         if col is None:
-            col = self.collectives[key] = Collective(frozenset(cmd.group))
+            col = self.collectives[key] = Collective(frozenset(cmd.group), len(cmd.group))
         # A worker outside the broadcast group is one of the source's shard group, gathering the weights
         # with it: it ends with the broadcast and does not count towards it.
         col.arrived[w.wid] = (cmd, now, 0.0)
@@ -815,22 +815,23 @@ class Simulation:
 
     def done(self, w: Worker, payload: Any, now: float) -> None:
         """A blocking command of ``w`` ended: report it, then carry on with its inbox."""
-        c, wid = self.coordinator, w.wid
+        wid = w.wid
+        report: Callable[[float], Any]
         if isinstance(payload, Checkpoint):
             saved: list[int] = []
             if payload.partials and w.is_rollout:     # the run stops early: what is in flight is saved
                 saved = w.hand_off(now)
                 w.holdings.clear()
             w.unblock(now)
-            report = lambda t: c.shards_flushed(wid, payload.tag, {"rank": wid}, now=t, partials=saved)  # noqa: E731
+            report = lambda t: ev.TrajectoriesFlushed(wid, t, payload.tag, {"rank": wid}, saved)  # noqa: E731
         elif isinstance(payload, SaveCheckpoint):
             w.unblock(now)
-            report = lambda t: c.checkpoint_written(wid, payload.tag, f"sim://{payload.tag}", now=t)  # noqa: E731
+            report = lambda t: ev.CheckpointWritten(wid, t, payload.tag, f"sim://{payload.tag}")  # noqa: E731
         elif payload[0] == "train":
             _, cmd, stats, idle, fetch = payload
             w.trainer_idle_since = now
             w.unblock(now)
-            report = lambda t: c.step_done(wid, cmd.step, stats=stats, idle_s=idle, fetch_s=fetch, now=t)  # noqa: E731
+            report = lambda t: ev.StepDone(wid, t, cmd.step, stats, idle, fetch)  # noqa: E731
         elif payload[0] == "sync":
             _, cmd, seconds = payload
             resumed = 0
@@ -844,16 +845,15 @@ class Simulation:
                         stall = self.costs.prefill_time(w.gpus, flops)
             w.trainer_idle_since = now
             w.unblock(now, stall)
-            report = lambda t: c.sync_done(wid, cmd.version, seconds=seconds, resumed=resumed, now=t)  # noqa: E731
+            report = lambda t: ev.WeightsLoaded(wid, t, cmd.version, seconds, resumed)  # noqa: E731
         else:
             _, cmd, seconds, handed = payload
             w.trainer_idle_since = now
             w.unblock(now)
-            report = lambda t: c.switched(wid, handed_off=handed, seconds=seconds, now=t)  # noqa: E731
+            report = lambda t: ev.Switched(wid, t, handed, seconds)  # noqa: E731
 
         def arrive(t: float) -> None:
-            c.heard(wid, t)
-            self.deliver(report(t))
+            self.deliver(self.handle(report(t)))
         self.send(arrive)
         if w.busy is None and w.inbox:
             self.pump(w)

@@ -30,18 +30,20 @@ class RunResult:
 
 
 def simulate(path: str | None, mode: str, overrides: list[str] = (), gpus: int | None = None, *,
-             timeline: bool = False, **kw: Any) -> RunResult:
-    """Simulate ``mode`` on the config at ``path`` (module docstring); ``kw`` goes to :class:`Simulation`."""
+             timeline: bool = False, check_invariants: bool = False, **kw: Any) -> RunResult:
+    """Simulate ``mode`` on the config at ``path`` (module docstring); ``kw`` goes to :class:`Simulation`.
+    ``check_invariants``: the replay index checks every invariant after every event (tests)."""
     cfg = load_mode(path, mode, list(overrides), gpus)
     place = placement(cfg)
-    sim = Simulation(cfg, build_coordinator(cfg, place), place, timeline=timeline, **kw)
+    sim = Simulation(cfg, *build_coordinator(cfg, place, check_invariants=check_invariants), place,
+                     timeline=timeline, **kw)
     sim.run()
     return summarise(sim)
 
 
 def summarise(sim: Simulation) -> RunResult:
-    cfg, place, c = sim.cfg, sim.place, sim.coordinator
-    metrics = StepMetrics(c.rules.mode)
+    cfg, place, c = sim.cfg, sim.place, sim.coordinator.summary()
+    metrics = StepMetrics(c["mode"])
     records = [metrics(r) for r in sim.records]
     warm = cfg.sim.warmup_steps
     measured = [r for r in records if r["step"] > warm] or records
@@ -49,7 +51,7 @@ def summarise(sim: Simulation) -> RunResult:
     seconds = sum(r["step_seconds"] for r in measured)
     trainers = [r["pool/trainers"] for r in records] or [len(place.trainers)]
     summary = {
-        "mode": c.rules.mode, "gpus": place.total_gpus if cfg.sim.gpus else place.world,
+        "mode": c["mode"], "gpus": place.total_gpus if cfg.sim.gpus else place.world,
         "workers": place.world, "worker_gpus": place.worker_gpus,
         "trainers_start": len(place.trainers) if not place.colocated else place.world,
         "trainers_end": trainers[-1] if not place.colocated else place.world,
@@ -68,9 +70,9 @@ def summarise(sim: Simulation) -> RunResult:
         "train_s": _mean(sim.train_seconds[-len(measured):]),
         "response_length": _mean(r["response_length/mean"] for r in measured),
         "generated_tokens_per_s": _mean(r["rollout/generated_tokens_per_s"] for r in measured),
-        "preemptions": sim.preemptions, "partial_rollouts": c.partial_rollouts,
-        "evicted_unused": c.index.gauges().get("buffer/evicted_unused", 0),
-        "switches": len(c.placements), "placements": [list(p) for p in c.placements],
+        "preemptions": sim.preemptions, "partial_rollouts": c["partial_rollouts"],
+        "evicted_unused": c["buffer"].get("buffer/evicted_unused", 0),
+        "switches": len(c["placements"]), "placements": c["placements"],
         "simulated_s": sim.now, "events": sim.events,
     }
     return RunResult(summary, records, sim)

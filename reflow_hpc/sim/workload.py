@@ -23,11 +23,12 @@ keeps no event log (``run.event_log``): a million-sample run would hold every ev
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError, load, validator
 from ..coordination import coordinator_settings, new_coordinator
-from ..core.coordinator import Coordinator
+from ..core.coordinator import Coordinator, Settings
 from ..core.modes import MODES, rules
 from .costs import Costs
 
@@ -77,11 +78,12 @@ def load_mode(path: str | None, mode: str, overrides: list[str] = (), gpus: int 
     cfg = load(path, [*sets, "scheduler.placement_schedule=[]", "scheduler.min_trainers=1",
                       "scheduler.min_rollouts=1"], check_files=False)
     if cfg.sim.gpus:
+        # The GPUs as ranks: n_T trainer replicas of u GPUs, and the rollout workers' engines as instances of s_R.
         place = placement(cfg)
         n_t = len(place.trainers) if not place.colocated else place.world
-        n_r = 0 if place.colocated else len(place.rollouts)
-        sets = [f"resources.workers={place.world}", f"resources.trainer_replicas={n_t}",
-                f"resources.rollout_instances={n_r}", *sets]
+        n_r = 0 if place.colocated else len(place.rollouts) * place.engines
+        sets = [f"resources.workers={place.total_gpus}", f"resources.trainer_replicas={n_t}",
+                f"resources.trainer_shard_size={place.worker_gpus}", f"resources.rollout_instances={n_r}", *sets]
     cfg = load(path, sets, check_files=False) if cfg.sim.gpus or _has_schedule(path, sets) else cfg
     if cfg.reflow.mode != mode:
         raise ConfigError("reflow.mode", cfg.reflow.mode, f"the simulator was asked for mode {mode}")
@@ -138,16 +140,19 @@ def placement(cfg: Config) -> Placement:
     return Placement(w, tuple(range(n_t)), tuple(range(n_t, w)), u, u // tp, tp, False)
 
 
-def build_coordinator(cfg: Config, place: Placement, costs: Costs | None = None) -> Coordinator:
-    """The coordinator of ``runtime.training.build_coordinator``, on the simulated placement: the elastic
-    pool's unit is one simulated worker (uniform by construction, so s_T = s_R = 1 here)."""
+def build_coordinator(cfg: Config, place: Placement, costs: Costs | None = None, *,
+                      check_invariants: bool = False) -> tuple[Coordinator, Settings]:
+    """The coordinator of ``runtime.training.build_coordinator`` and its settings, on the simulated placement:
+    the elastic pool's unit is one simulated worker (uniform by construction, so s_T = s_R = 1 here).
+    ``check_invariants``: the index checks every invariant after every event (tests)."""
     costs = costs or Costs.from_config(cfg)
     kv_budget = int(place.engines * costs.kv_capacity(place.tp)) if cfg.sim.gpus else cfg.rollout.kv_budget_tokens
     settings = coordinator_settings(cfg, workers=place.world, trainer_shard=1, rollout_tp=1,
                                     cap_max=cfg.rollout.max_concurrency * place.engines, kv_budget=kv_budget,
                                     event_log=False)
+    settings = dataclasses.replace(settings, check_invariants=check_invariants)
     return new_coordinator(cfg, settings, trainers=list(place.trainers), rollouts=list(place.rollouts),
-                           world=place.world)
+                           world=place.world), settings
 
 
 @validator

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from reflow_hpc.config import Config
+from reflow_hpc.core import events as ev
 from reflow_hpc.core.commands import Checkpoint, Dispatch, Resume, SaveCheckpoint, Setup, Snapshot, Switch, Sync, Train
 from reflow_hpc.core.coordinator import Coordinator, Settings, Unresponsive
 from reflow_hpc.core.index import build_index
@@ -35,6 +36,7 @@ def reflow_section(mode, sigma, delta=1, b_max=0, sync_every=1):
 
 def make(mode, *, steps=6, b=8, n=4, workers=4, trainers=2, sigma=0.5, delta=1, sync_every=1, cap=16, seed=0,
          checkpoint_every=0, timeout_s=100.0, eval_every=0, time_budget_s=0.0, schedule=()):
+    """(coordinator, its settings, its index, trainer ranks, rollout ranks)."""
     sigma = sigma if rules(mode).replays else 0.0
     index = build_index(reflow_section(mode, sigma, delta, 0, sync_every), group_size=n, batch_size=b, seed=seed)
     ranks = list(range(workers))
@@ -44,8 +46,8 @@ def make(mode, *, steps=6, b=8, n=4, workers=4, trainers=2, sigma=0.5, delta=1, 
     s = Settings(rules=rules(mode), steps=steps, sync_every=sync_every, cap_max=cap,
                  scheduling=SchedulingSettings(queue=0), checkpoint_every=checkpoint_every, timeout_s=timeout_s,
                  setup_timeout_s=timeout_s, eval_every=eval_every, time_budget_s=time_budget_s,
-                 placement_schedule=tuple(schedule))
-    return Coordinator(s, index, trainers=tr, rollouts=ro, world=workers)
+                 placement_schedule=tuple(schedule), check_invariants=True)
+    return Coordinator(s, index, trainers=tr, rollouts=ro, world=workers), s, index, tr, ro
 
 
 TOKEN_S = 0.01                       # one decode step, whatever the batch
@@ -74,8 +76,8 @@ def unit_costs(cfg, train_time):
 
 
 def simulate(mode, *, train_time=1.0, seed=0, **kw):
-    c = make(mode, seed=seed, **kw)
-    index, ranks = c.index, c.workers
+    c, s, index, trainers, rollouts = make(mode, seed=seed, **kw)
+    ranks = range(kw.get("workers", 4))
     cfg = Config()
     cfg.run.seed = seed
     cfg.reflow.delta = kw.get("delta", 1)
@@ -85,11 +87,11 @@ def simulate(mode, *, train_time=1.0, seed=0, **kw):
     # expires while nothing happens is noticed at the next event (tests/unit/test_sim_engine.py shows why).
     cfg.sim.tick_s = 1e6
     cfg.trainer.time_budget_s = kw.get("time_budget_s", 0.0)
-    place = Placement(len(ranks), tuple(c.trainers), tuple(c.rollouts), 1, 1, 1, rules(mode).colocated)
+    place = Placement(len(ranks), tuple(trainers), tuple(rollouts), 1, 1, 1, rules(mode).colocated)
     log = {"batches": [], "trained_versions": [], "syncs": [], "checkpoints": [], "max_outstanding": 0,
            "train_overlap_gen": False, "setups": [], "snapshots": [], "switches": [], "handed_off": [],
            "resumed": []}
-    rollouts = set(c.rollouts)
+    rollouts = set(rollouts)
 
     def on_command(cmd, now):
         if isinstance(cmd, Setup):
@@ -118,16 +120,17 @@ def simulate(mode, *, train_time=1.0, seed=0, **kw):
         # the token versions of every sample of this share: one entry per distinct version
         log["trained_versions"].append((cmd.step, cmd.version, [{v for v, n in segs if n > 0} for segs in segments]))
 
-    sim = Simulation(cfg, c, place, lengths=UnitLengths(seed), costs=unit_costs(cfg, train_time),
-                     on_command=on_command, on_train=on_train, check_invariants=True, timeline=True).run()
+    sim = Simulation(cfg, c, s, place, lengths=UnitLengths(seed), costs=unit_costs(cfg, train_time),
+                     on_command=on_command, on_train=on_train, timeline=True).run()
     log["records"] = sim.records
     log["batches"] = [rec.batch for rec in sim.records]
     log["handed_off"] = [sid for sid, _ in sim.handed_off]
     generating = [(a.start, a.end) for a in sim.timeline if a.kind == "generate"]
     training = [(a.start, a.end) for a in sim.timeline if a.kind == "train"]
     log["train_overlap_gen"] = any(g0 < t1 and t0 < g1 for g0, g1 in generating for t0, t1 in training)
-    log["checkpoints"] = [(tag, step) for tag, step, _ in c.checkpoints_written]
-    return c, index, log
+    log["checkpoints"] = [(tag, step) for tag, step, _ in sim.checkpoints]
+    log["events"] = sim.log
+    return c.summary(), index, log
 
 
 def trained_staleness(log):
@@ -138,7 +141,7 @@ def trained_staleness(log):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_mode_runs_to_completion_with_invariants(mode):
     c, index, log = simulate(mode)
-    assert c.done and c.steps_done == 6
+    assert c["phase"] == "finished" and c["steps"] == 6
     assert len(log["batches"]) == 6
     assert {s.worker for s in log["setups"]} == set(range(4))
     for batch in log["batches"]:
@@ -199,17 +202,18 @@ def test_snapshots_for_evaluation_are_stamped_with_training_time():
 
 def test_a_time_budget_ends_the_run_like_a_preemption():
     c, index, log = simulate("reflow", steps=1000, time_budget_s=5.0)
-    assert c.done and 1 <= c.steps_done < 1000 and "time budget of 5 s spent" in c.stopped_early
-    assert 5.0 <= c.train_seconds < 5.0 + 3 * 1.0                  # at most the step in flight, a sync, a save
-    assert log["checkpoints"] == [(f"step_{c.steps_done:06d}", c.steps_done)]
-    assert log["snapshots"][-1][0] == c.steps_done                # the trained policy is scored
+    done = c["steps"]
+    assert c["phase"] == "finished" and 1 <= done < 1000 and "time budget of 5 s spent" in c["stopped_early"]
+    assert 5.0 <= c["train_seconds"] < 5.0 + 3 * 1.0              # at most the step in flight, a sync, a save
+    assert log["checkpoints"] == [(f"step_{done:06d}", done)]
+    assert log["snapshots"][-1][0] == done                        # the trained policy is scored
     # What was being generated is saved with the checkpoint and stays pending for the resumed run, and so
     # does what was buffered: the run ends none of it, so the resumed run's log ends each sample once.
     assert index.outstanding == len(log["partials"]) > 0
     kept = set(index.live_ids())
-    assert kept == c.kept_by_checkpoint and set(log["partials"]) <= kept
+    assert len(kept) == c["kept_in_checkpoint"] and set(log["partials"]) <= kept
     assert index.created == sum(index.terminal_counts().values()) + len(kept)
-    ended = [e["id"] for e in c.events if e["e"] == "end"]
+    ended = [e["id"] for e in log["events"] if e["e"] == "end"]
     assert len(ended) == len(set(ended)) == sum(index.terminal_counts().values()) and not kept & set(ended)
 
 
@@ -219,8 +223,8 @@ def test_role_switches_both_ways_lose_nothing_and_keep_the_guarantee(seed):
     was generating finish on another rollout worker, with tokens of the versions that made them."""
     c, index, log = simulate("reflow", steps=10, trainers=2, seed=seed, train_time=0.3,
                              schedule=[(3, 3), (7, 2)])
-    assert c.done and c.placements == [(3, 3), (7, 2)]
-    assert c.trainers == [0, 1] and c.rollouts == [2, 3]
+    assert c["phase"] == "finished" and c["placements"] == [[3, 3], [7, 2]]
+    assert c["roles"] == {0: "trainer", 1: "trainer", 2: "rollout", 3: "rollout"}
     # Every worker was told each time, and the pools changed only at sync points (no batch in training).
     assert len(log["switches"]) == 8
     assert log["handed_off"], "the worker leaving rollout held nothing in flight"
@@ -235,8 +239,8 @@ def test_role_switches_both_ways_lose_nothing_and_keep_the_guarantee(seed):
 
 
 def test_every_step_record_names_every_rank_role_and_the_switches():
-    c = make("reflow", steps=6, schedule=[(2, 3)])
-    assert c.feasible_placements() == (2, 3)
+    c = make("reflow", steps=6, schedule=[(2, 3)])[0]
+    assert {cmd.placements for cmd in c.handle(ev.Start(0.0)).commands} == {(2, 3)}
     _, _, log = simulate("reflow", steps=6, schedule=[(2, 3)], seed=1)
     roles = [rec.roles for rec in log["records"]]
     assert roles[0] == {0: "trainer", 1: "trainer", 2: "rollout", 3: "rollout"}
@@ -247,23 +251,24 @@ def test_every_step_record_names_every_rank_role_and_the_switches():
 
 
 def test_a_silent_worker_ends_the_run_naming_it():
-    c = make("reflow", timeout_s=5.0)
-    c.begin(0.0)
+    c = make("reflow", timeout_s=5.0)[0]
+    c.handle(ev.Start(0.0))
     for w in range(4):
-        c.ready(w, [], [], 1.0)
+        c.handle(ev.Ready(w, 1.0))
     for w in (0, 1, 3):
-        c.heard(w, 5.5)
+        c.handle(ev.Heartbeat(w, 5.5))
     with pytest.raises(Unresponsive, match="rank 2"):
-        c.tick(6.5)
+        c.handle(ev.Tick(6.5))
 
 
 def test_setup_waits_for_every_worker_within_its_bound():
-    c = make("reflow", timeout_s=5.0)
-    c.begin(0.0)
-    c.ready(0, [], [], 1.0)
-    assert c.tick(4.0) == [] and c.phase == "setup"
+    c = make("reflow", timeout_s=5.0)[0]
+    c.handle(ev.Start(0.0))
+    c.handle(ev.Ready(0, 1.0))
+    out = c.handle(ev.Tick(4.0))
+    assert out.commands == [] and out.phase.value == "setup"
     with pytest.raises(Unresponsive, match=r"setup \(no ready from rank\(s\) 1, 2, 3\)"):
-        c.tick(5.5)
+        c.handle(ev.Tick(5.5))
 
 
 @pytest.mark.parametrize("mode, key, kw", [
@@ -295,7 +300,7 @@ def test_random_runs_keep_the_guarantees(mode, seed, sigma, trainers, sync_every
     delta = sync_every
     c, index, log = simulate(mode, steps=5, seed=seed, sigma=sigma, trainers=trainers, sync_every=sync_every,
                              delta=delta, train_time=train_time)
-    assert c.done
+    assert c["phase"] == "finished"
     for batch in log["batches"]:
         assert batch.replay_fraction <= (sigma if r.replays else 0.0) + 1e-12
     assert all(r.staleness_ok(s, delta, step) for step, s in trained_staleness(log))
@@ -305,38 +310,46 @@ def test_random_runs_keep_the_guarantees(mode, seed, sigma, trainers, sync_every
 def test_a_rollout_workers_late_sync_report_after_the_trainer_trained_on_is_accepted():
     """In a streaming mode the trainer that sent the weights carries on training at once; a rollout worker
     busy generating may report its load of version v after the trainer already made v + 1."""
-    c = make("reflow", steps=4, b=4, n=4, workers=2, trainers=1, delta=2, sigma=0.0)
+    c = make("reflow", steps=4, b=4, n=4, workers=2, trainers=1, delta=2, sigma=0.0)[0]
     now = 0.0
-    queue = list(c.begin(now))
-    for w in c.workers:
-        queue += c.ready(w, [], [], now)
+    out = c.handle(ev.Start(now))
+    queue = list(out.commands)
+    for w in range(2):
+        out = c.handle(ev.Ready(w, now))
+        queue += out.commands
     rollout_version, late, reported_late = 0, [], 0
-    while not c.done:
+
+    def handle(event):
+        nonlocal out
+        out = c.handle(event)
+        return out.commands
+
+    while not out.done:
         now += 0.01
         if not queue:                                 # nothing else to happen: the late report arrives
             assert late, "the coordinator waits for nothing"
-            queue += c.sync_done(*late.pop(0), seconds=0.01, resumed=0, now=now)
+            w, v = late.pop(0)
+            queue += handle(ev.WeightsLoaded(w, now, v, 0.01))
             continue
         cmd = queue.pop(0)
         if isinstance(cmd, Dispatch):
-            for s in cmd.samples:
-                queue += c.sample_finished(cmd.worker, s.sample_id, reward=float(s.sample_id % 2),
-                                           min_version=rollout_version, max_version=rollout_version,
-                                           loss_tokens=8, finish_reason="stop", now=now)
+            done = [ev.FinishedSample(s.sample_id, float(s.sample_id % 2), rollout_version, rollout_version, 8, "stop")
+                    for s in cmd.samples]
+            queue += handle(ev.SamplesFinished(cmd.worker, now, done))
         elif isinstance(cmd, Train):
-            queue += c.step_done(cmd.worker, cmd.step, stats={}, idle_s=0.0, fetch_s=0.0, now=now)
+            queue += handle(ev.StepDone(cmd.worker, now, cmd.step, {}))
             reported_late += len(late)
             for w, v in late:                         # the rollout worker reports after the step
-                queue += c.sync_done(w, v, seconds=0.01, resumed=0, now=now)
+                queue += handle(ev.WeightsLoaded(w, now, v, 0.01))
             late = []
         elif isinstance(cmd, Sync):
             if cmd.worker == cmd.src:
-                queue += c.sync_done(cmd.worker, cmd.version, seconds=0.01, resumed=0, now=now)
+                queue += handle(ev.WeightsLoaded(cmd.worker, now, cmd.version, 0.01))
             else:
                 rollout_version = cmd.version
                 late.append((cmd.worker, cmd.version))
         elif isinstance(cmd, Checkpoint):
-            queue += c.shards_flushed(cmd.worker, cmd.tag, {}, now=now)
+            queue += handle(ev.TrajectoriesFlushed(cmd.worker, now, cmd.tag, {}))
         elif isinstance(cmd, SaveCheckpoint):
-            queue += c.checkpoint_written(cmd.worker, cmd.tag, "/nowhere", now=now)
-    assert c.steps_done == 4 and reported_late >= 1
+            queue += handle(ev.CheckpointWritten(cmd.worker, now, cmd.tag, "/nowhere"))
+    assert c.summary()["steps"] == 4 and reported_late >= 1

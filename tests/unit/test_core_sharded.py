@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from reflow_hpc.config import Config
-from reflow_hpc.core.commands import SaveCheckpoint, Snapshot, Switch, Sync, Train
+from reflow_hpc.core.commands import SaveCheckpoint, Setup, Snapshot, Switch, Sync, Train
 from reflow_hpc.core.coordinator import Coordinator, Settings
 from reflow_hpc.core.index import build_index
 from reflow_hpc.core.modes import rules
@@ -20,6 +20,8 @@ from reflow_hpc.sim.costs import Costs
 from reflow_hpc.sim.engine import Simulation
 from reflow_hpc.sim.lengths import SampleShape
 from reflow_hpc.sim.workload import Placement
+
+from conftest import ended_every_sample
 
 
 class Lengths:
@@ -43,11 +45,13 @@ def coordinator(mode, *, workers=6, replicas=1, shard=2, steps=6, schedule=(), c
     settings = Settings(rules=rules(mode), steps=steps, sync_every=1, cap_max=16,
                         scheduling=SchedulingSettings(queue=0), checkpoint_every=checkpoint_every, timeout_s=100.0,
                         setup_timeout_s=100.0, eval_every=eval_every, placement_schedule=tuple(schedule),
-                        trainer_shard=shard)
-    return Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=workers)
+                        trainer_shard=shard, check_invariants=True)
+    c = Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=workers)
+    return c, settings, Placement(workers, tuple(trainers), tuple(rollouts), 1, 1, 1, colocated)
 
 
-def simulate(c):
+def simulate(c, settings, place):
+    """Runs ``c`` to its end; (every command, (tag, step) of every checkpoint written)."""
     cfg = Config()
     cfg.rollout.max_new_tokens = 120
     cfg.reflow.delta = 2
@@ -59,18 +63,18 @@ def simulate(c):
         train_minibatches=1, train_update_overhead_s=0.3, logprob_recompute_modes=(), sync_base_s=0.05,
         sync_colocated_base_s=0.05, switch_fixed_s=0.1, switch_h2d_bw=1e30, switch_shard_bw=1e30)
     commands = []
-    place = Placement(len(c.workers), tuple(c.trainers), tuple(c.rollouts), 1, 1, 1, c.rules.colocated)
-    Simulation(cfg, c, place, lengths=Lengths(0), costs=costs, on_command=lambda cmd, now: commands.append(cmd),
-               check_invariants=True).run()
-    return commands
+    sim = Simulation(cfg, c, settings, place, lengths=Lengths(0), costs=costs,
+                     on_command=lambda cmd, now: commands.append(cmd)).run()
+    return commands, [(tag, step) for tag, step, _ in sim.checkpoints]
 
 
 def test_switches_move_whole_replicas_and_pair_each_shard_with_its_counterpart():
-    c = coordinator("reflow", steps=8, schedule=[(2, 2), (5, 1)], checkpoint_every=3, eval_every=2)
-    assert c.feasible_placements() == (1, 2)                         # trainer replicas, not ranks
-    commands = simulate(c)
-    assert c.done and c.placements == [(2, 2), (5, 1)]
-    assert c.index.created == sum(c.index.terminal_counts().values())
+    c, *setup = coordinator("reflow", steps=8, schedule=[(2, 2), (5, 1)], checkpoint_every=3, eval_every=2)
+    commands, checkpoints = simulate(c, *setup)
+    assert {cmd.placements for cmd in commands if isinstance(cmd, Setup)} == {(1, 2)}   # trainer replicas, not ranks
+    s = c.summary()
+    assert s["phase"] == "finished" and s["placements"] == [[2, 2], [5, 1]]
+    assert ended_every_sample(s)
     switches = [cmd for cmd in commands if isinstance(cmd, Switch) and cmd.worker == 0]
     assert [(s.trainers, s.rollouts) for s in switches] == [((0, 1, 2, 3), (4, 5)), ((0, 1), (2, 3, 4, 5))]
     assert switches[0].transfers == ((0, 2), (1, 3))                 # shard i of the new replica from shard i
@@ -95,26 +99,27 @@ def test_switches_move_whole_replicas_and_pair_each_shard_with_its_counterpart()
     assert {cmd.worker for cmd in commands if isinstance(cmd, Snapshot)} == {0, 1}
     saves = [cmd.worker for cmd in commands if isinstance(cmd, SaveCheckpoint)]
     assert sorted(saves) == [0, 0, 0, 1, 1, 1]
-    assert [step for _, step, _ in c.checkpoints_written] == [3, 6, 8]
+    assert [step for _, step in checkpoints] == [3, 6, 8]
     assert c.state_dict()["trainer_replicas"] == 1
 
 
 def test_colocated_sync_mode_with_sharded_replicas_runs_to_completion():
-    c = coordinator("sync", workers=4, shard=2, steps=3)
-    commands = simulate(c)
-    assert c.done and c.replicas == 2
+    c, *setup = coordinator("sync", workers=4, shard=2, steps=3)
+    commands, _ = simulate(c, *setup)
+    assert c.summary()["phase"] == "finished" and {cmd.worker for cmd in commands if isinstance(cmd, Train)} == {0, 1, 2, 3}
     assert sorted(cmd.worker for cmd in commands if isinstance(cmd, SaveCheckpoint)) == [0, 1]
     assert all(cmd.src is None for cmd in commands if isinstance(cmd, Sync))
 
 
 def test_a_resumed_coordinator_restores_the_replicas_in_force():
-    c = coordinator("reflow", steps=4, schedule=[(2, 2)])
-    simulate(c)
+    c, *setup = coordinator("reflow", steps=4, schedule=[(2, 2)])
+    simulate(c, *setup)
     state = c.state_dict()
     assert state["trainer_replicas"] == 2
-    again = coordinator("reflow", steps=6, schedule=[(2, 2)])
+    again = coordinator("reflow", steps=6, schedule=[(2, 2)])[0]
     again.load_state_dict(state)
-    assert again.trainers == [0, 1, 2, 3] and again.rollouts == [4, 5]
+    assert again.summary()["roles"] == {0: "trainer", 1: "trainer", 2: "trainer", 3: "trainer", 4: "rollout",
+                                        5: "rollout"}
 
 
 @pytest.mark.parametrize("kw, words", [

@@ -16,7 +16,8 @@ from reflow_hpc.sim.engine import Request, Simulation
 from reflow_hpc.sim.lengths import SampleShape
 from reflow_hpc.sim.report import simulate, summarise
 from reflow_hpc.sim.workload import build_coordinator, load_mode, placement
-from conftest import ROOT
+
+from conftest import ROOT, ended_every_sample
 
 LAMINAR = str(ROOT / "configs" / "sim_laminar_7b.toml")
 QWEN3 = str(ROOT / "configs" / "sim_qwen3_8b_dapo.toml")
@@ -53,13 +54,12 @@ def run(mode, *sets, gpus=16, config=LAMINAR, timeline=False, **kw):
 
 def check_guarantees(res, obs):
     """The invariants of every mode on a finished simulated run."""
-    sim, c = res.sim, res.sim.coordinator
+    sim, s = res.sim, res.sim.coordinator.summary()
     cfg = sim.cfg
-    r = c.rules
-    index = c.index
-    assert c.done and c.steps_done == cfg.trainer.steps
-    index.check_accounting()
-    assert index.created == sum(index.terminal_counts().values())        # every sample ended, with a reason
+    r = rules(s["mode"])
+    assert s["phase"] == "finished" and s["steps"] == cfg.trainer.steps
+    assert s["accounting_ok"], s["accounting"]
+    assert ended_every_sample(s)                                          # every sample ended, with a reason
     for rec in sim.records:
         assert len(rec.batch) == cfg.trainer.batch_size
         assert rec.batch.replay_fraction <= cfg.reflow.sigma + 1e-12       # σ bound
@@ -117,7 +117,7 @@ def test_processor_sharing_agrees_with_a_step_by_step_decode():
 
     done: dict[int, float] = {}
     place = placement(cfg)
-    sim = Simulation(cfg, build_coordinator(cfg, place), place, lengths=Fixed(),
+    sim = Simulation(cfg, *build_coordinator(cfg, place), place, lengths=Fixed(),
                      on_finished=lambda w, rs, now: done.update({r.generated: now for r in rs}))
     sim.run()
     c = Costs.from_config(cfg)
@@ -170,7 +170,7 @@ def test_every_mode_keeps_its_guarantees_when_messages_take_time(mode):
     plain, _ = run(mode, "checkpoint.every_steps=2", *switches)
     assert res.summary["simulated_s"] > plain.summary["simulated_s"]
     if mode == "reflow":
-        assert res.sim.coordinator.placements == [(2, 10), (4, 8)]
+        assert res.sim.coordinator.summary()["placements"] == [[2, 10], [4, 8]]
 
 
 def test_the_elastic_pool_switches_roles_in_the_simulator():
@@ -179,8 +179,7 @@ def test_the_elastic_pool_switches_roles_in_the_simulator():
     res, obs = run("reflow", "scheduler.placement_schedule=[\"2:10\", \"4:8\"]", "scheduler.elastic=false",
                    "reflow.b_max=512", "reflow.delta=3")
     check_guarantees(res, obs)
-    c = res.sim.coordinator
-    assert c.placements == [(2, 10), (4, 8)]
+    assert res.sim.coordinator.summary()["placements"] == [[2, 10], [4, 8]]
     assert res.sim.handed_off, "no sample was in flight on a worker leaving rollout"
     resumed = [s.sample_id for _, cmd in obs.commands if type(cmd).__name__ == "Resume" for s in cmd.samples]
     assert set(resumed) <= {sid for sid, _ in res.sim.handed_off}
@@ -210,7 +209,7 @@ def test_a_cpu_config_runs_unchanged_on_its_ranks():
                    ["trainer.steps=4", "sim.warmup_steps=0", "sim.model_params=1.6e6", "sim.model_layers=4",
                     "sim.model_hidden=192", "sim.kv_bytes_per_token=1024"])
     assert res.summary["workers"] == 4 and res.summary["trainers_start"] == 2
-    assert res.sim.coordinator.steps_done == 4
+    assert res.sim.coordinator.summary()["steps"] == 4
 
 
 @settings(max_examples=12, deadline=None)
@@ -230,15 +229,15 @@ def test_random_simulated_runs_keep_the_guarantees(mode, seed, sigma, sync_every
 def test_a_large_simulation_runs():
     """Speed smoke test (no time is asserted; tools/bench_sim.py measures): 1,024 GPUs, a few steps."""
     res = simulate(QWEN3, "reflow", ["trainer.steps=2", "sim.warmup_steps=0", "trainer.batch_size=1024"], 1024)
-    assert res.sim.coordinator.steps_done == 2 and res.summary["workers"] == 32 and res.summary["events"] > 1024
+    assert res.sim.coordinator.summary()["steps"] == 2 and res.summary["workers"] == 32 and res.summary["events"] > 1024
 
 
 def test_costs_replaced_for_a_what_if_run():
     cfg = load_mode(LAMINAR, "reflow", SMALL, 16)
     place = placement(cfg)
     fast = dataclasses.replace(Costs.from_config(cfg), train_update_overhead_s=0.0)
-    a = summarise(Simulation(cfg, build_coordinator(cfg, place), place).run()).summary
-    b = summarise(Simulation(cfg, build_coordinator(cfg, place), place, costs=fast).run()).summary
+    a = summarise(Simulation(cfg, *build_coordinator(cfg, place), place).run()).summary
+    b = summarise(Simulation(cfg, *build_coordinator(cfg, place), place, costs=fast).run()).summary
     assert b["simulated_s"] < a["simulated_s"]
 
 

@@ -1,4 +1,5 @@
-"""The coordinator thread on rank 0: message plumbing around a coordinator side (Horovod's pattern).
+"""The message pump: the thread on rank 0 that carries messages between the workers and a side
+(Horovod's pattern); the coordinator runs on it.
 
 The thread first runs the handshake — one :class:`Hello` from every rank within ``run.timeout_s``,
 answered by a :class:`Welcome` with each rank's node id and local rank — and then pumps messages:
@@ -21,14 +22,16 @@ from typing import Any, Callable, Iterable, Protocol
 from ..comm.channel import ControlChannel
 from ..comm.failure import fatal
 from ..comm.mpi import RankTimeout, wait_until
-from ..core.coordinator import Unresponsive
+from ..core.liveness import Unresponsive
 from .messages import TAG_COORDINATOR, TAG_SERVICE, Failure, Heartbeat, Hello, Stop, Welcome
 from .topology import place
 
 Outgoing = Iterable[tuple[int, Any]]
 
 
-class CoordinatorSide(Protocol):
+class Side(Protocol):
+    """What the pump drives: the training run (runtime/training.py) or the self-check (runtime/selfcheck.py)."""
+
     def on_start(self, hellos: list[Hello], handshake_s: float, now: float) -> Outgoing: ...
 
     def on_message(self, source: int, msg: Any, now: float) -> Outgoing: ...
@@ -47,10 +50,10 @@ class HandshakeTimeout(RankTimeout):
         self.rank, self.op, self.seconds, self.peer = 0, "handshake", seconds, missing[0]
 
 
-class CoordinatorThread(threading.Thread):
-    def __init__(self, channel: ControlChannel, side: CoordinatorSide, *, timeout_s: float, heartbeat_s: float,
+class MessagePump(threading.Thread):
+    def __init__(self, channel: ControlChannel, side: Side, *, timeout_s: float, heartbeat_s: float,
                  on_fatal: Callable[[str, BaseException], None] | None = None):
-        super().__init__(name="coordinator", daemon=True)
+        super().__init__(name="coordinator", daemon=True)     # the coordinator runs on it
         self.channel = channel
         self.side = side
         self.timeout_s = timeout_s
