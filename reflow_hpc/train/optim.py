@@ -71,3 +71,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: "TrainerConfig") -> t
     lr_factor(0, steps=steps, warmup_steps=warmup, schedule=schedule, min_lr_ratio=floor)   # fail now, not later
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, steps=steps, warmup_steps=warmup, schedule=schedule, min_lr_ratio=floor))
+
+
+def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """The AdamW state of ``p`` (``step``, ``exp_avg``, ``exp_avg_sq``), created zero as AdamW would when
+    there has been no update yet, so that replicas and checkpoints always hold the same tensors."""
+    st = optimizer.state[p]
+    if not st:
+        st["step"] = torch.zeros((), dtype=torch.float32)
+        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return st

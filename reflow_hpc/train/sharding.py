@@ -1,7 +1,8 @@
 """A trainer replica sharded over ``s_T`` workers with FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-The pieces :class:`~reflow_hpc.train.trainer.Trainer` uses when ``shard_group`` holds more than one
-rank; the same code runs on gloo (CPU) and NCCL (GPU).
+The FSDP2 pieces of :class:`~reflow_hpc.train.parallel.Sharded`, the layout
+:func:`~reflow_hpc.train.parallel.parallelize` picks when the shard group holds more than one rank;
+the same code runs on gloo (CPU) and NCCL (GPU).
 
 - **Layout.** Every decoder layer, then the root module, is ``fully_shard``-ed over a 1-D device
   mesh made from the shard group (:func:`shard_model`). Each parameter becomes a DTensor sharded

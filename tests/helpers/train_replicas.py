@@ -84,7 +84,7 @@ def main() -> None:
 
     # A replica that never joins the step: the other fails within run.timeout_s naming the operation.
     comm.Barrier()
-    trainer.timeout_s = args.absent_timeout
+    trainer.replicas.timeout_s = args.absent_timeout
     t0 = time.monotonic()
     absent = None
     if rank == 0:

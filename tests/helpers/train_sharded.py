@@ -14,6 +14,9 @@ Four ranks: two replicas of two shards (ranks 0-1 and 2-3; counterparts {0, 2} a
 a replica whose parameters were spoiled, and a weight sync from replica 0 (rank 1 joins the gathers)
 to ranks 2 and 3, which receive into plain models.
 
+The process groups come from ``ParallelDims`` / ``ProcessGroups`` as a worker makes them: the shard
+groups, the counterparts and (four ranks) the weight-sync group of the split with one trainer replica.
+
 Rank 0 runs the unsharded reference and prints one line ``RESULT {json}``.
 """
 
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import sys
@@ -60,21 +62,21 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     import torch
-    import torch.distributed as dist
 
+    from reflow_hpc.comm.dims import ParallelDims
     from reflow_hpc.comm.dist import init_process_group
+    from reflow_hpc.comm.groups import ProcessGroups
     from reflow_hpc.train.trainer import Trainer
     from train_common import loss_tokens, make_batch, make_config, tiny_model
 
     torch.set_num_threads(1)
     init_process_group(comm, device="cpu", single_host=True, timeout_s=args.timeout)
-    deadline = datetime.timedelta(seconds=args.timeout)
     dtype = getattr(torch, args.dtype)
-    shards = 2
-    blocks = [dist.new_group(list(range(b, b + shards)), timeout=deadline) for b in range(0, size, shards)]
-    counterparts = [dist.new_group(list(range(j, size, shards)), timeout=deadline) if size > shards else None
-                    for j in range(shards)]
-    shard_group, group = blocks[rank // shards], counterparts[rank % shards]
+    # Every rank trains (s_T = 2); with four ranks the split of one replica is prepared too, for its
+    # weight-sync group (rank 0 to ranks 2 and 3).
+    dims = ParallelDims(world=size, shard=2, replicas=(1, 2) if size == 4 else (1,))
+    groups = ProcessGroups.create(dims, rank, args.timeout)
+    shard_group, group = groups.shard, groups.replica(size // 2)
 
     cfg = make_config(warmup_steps=1, micro_batch_size=2, sync_bucket_mb=0.02)
     cfg.run.timeout_s = args.timeout
@@ -87,7 +89,8 @@ def main() -> None:
 
     # Rank 1 starts from other weights: the shard group starts from its first member's.
     trainer = Trainer(tiny_model(0 if rank == 0 else 99).to(dtype), cfg, "cpu", group=group, shard_group=shard_group)
-    result: dict = {"world": size, "shards": trainer.shards, "replicas": trainer.replicas}
+    result: dict = {"world": size, "shards": trainer.parallel.shards, "replicas": trainer.replicas.size,
+                    "groups": [list(g.ranks) for g in dims.plan()]}
     t0 = time.perf_counter()
     metrics = [trainer.train_step(share, loss_tokens(batch)) for share, batch in zip(shares, batches)]
     result["sharded_seconds"] = time.perf_counter() - t0
@@ -108,7 +111,7 @@ def main() -> None:
     if size == 2:
         result.update(checkpoint_round_trip(args, comm, trainer, cfg, start, batches, shard_group, dtype))
     else:
-        result.update(replicas_and_sync(args, comm, trainer, cfg, batches))
+        result.update(replicas_and_sync(args, comm, trainer, groups.sync(1)))
 
     gathered = comm.gather(result, root=0)
     if rank == 0:
@@ -174,9 +177,8 @@ def tiny_model_like(start):
     return tiny_model(7).to(next(start.parameters()).dtype)
 
 
-def replicas_and_sync(args, comm, trainer, cfg, batches) -> dict:
+def replicas_and_sync(args, comm, trainer, sync_group) -> dict:
     import torch
-    import torch.distributed as dist
 
     from reflow_hpc.train.weight_sync import WeightSync
     from train_common import tiny_model
@@ -211,7 +213,6 @@ def replicas_and_sync(args, comm, trainer, cfg, batches) -> dict:
     trainer.check_replicas()
 
     # Weight sync from replica 0: rank 0 sends, rank 1 joins the gathers, ranks 2 and 3 receive.
-    sync_group = dist.new_group([0, 2, 3], timeout=datetime.timedelta(seconds=args.timeout))
     dtype = next(trainer.model.parameters()).dtype
     plain = tiny_model(5).to(dtype)
     specs_model = trainer.model if rank == 0 else plain

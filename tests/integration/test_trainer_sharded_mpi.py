@@ -28,6 +28,7 @@ def test_one_replica_sharded_over_two_ranks_equals_one_unsharded_replica_and_che
                                                                                           metric_tol):
     res = run(tmp_path, 2, dtype)
     assert (res["shards"], res["replicas"]) == (2, 1)
+    assert res["groups"] == [[0, 1]]                         # the shard group; nothing else holds two ranks
     assert res["moved"] > 1e-3                               # training did change the weights
     assert res["max_param_diff"] <= param_tol, res["max_param_diff"]
     assert res["worst_metric_rel_diff"] <= metric_tol, res["worst_metric_rel_diff"]
@@ -46,6 +47,8 @@ def test_one_replica_sharded_over_two_ranks_equals_one_unsharded_replica_and_che
 def test_two_replicas_of_two_shards_equal_one_replica_hand_shards_over_and_sync_weights(tmp_path):
     res = run(tmp_path, 4, "float64")
     assert (res["shards"], res["replicas"]) == (2, 2)
+    # Shard groups; the sync group of the split with one replica; the counterparts of the split with two.
+    assert res["groups"] == [[0, 1], [2, 3], [0, 2, 3], [0, 2], [1, 3]]
     assert res["moved"] > 1e-3
     assert res["max_param_diff"] <= 1e-12, res["max_param_diff"]
     assert res["worst_metric_rel_diff"] <= 1e-12
