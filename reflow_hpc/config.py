@@ -8,12 +8,20 @@ Every field carries its documentation and its bounds in ``field(metadata=...)``;
 validator and the reference page all read them from there, so the three cannot drift apart.
 A bad file or override ends in exactly one line,
 ``config error: <key> = <value>: <why>``, and exit code 2 (see :func:`main_guard`).
+
+Every rule of the keys lives here, section by section, and :func:`validate` calls each one by
+name: what a config is checked against does not depend on which modules a process imported, so
+every entry point (this one, ``run``, ``submit``, the simulator, the warm start) applies the same
+rules. Names that users add to (tasks, replay samplers, replay filters) are checked against their
+tables (:mod:`reflow_hpc.plugins`, ``core``), after the modules of ``run.plugins`` were imported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import json
 import math
 import os
 import sys
@@ -22,6 +30,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from . import plugins
 
 
 class ConfigError(Exception):
@@ -148,11 +158,18 @@ class DataConfig:
     shuffle: bool = opt(True, "Walk the file's prompts in an order reshuffled every epoch from run.seed.")
 
 
+# The tasks of reflow_hpc.envs. Their keys are [task]'s and their rules are this module's, so these
+# names are valid without importing envs; a plugin's task is valid once registered (reflow_hpc.plugins).
+BUILTIN_TASKS = ("arithmetic", "math_boxed", "calculator_tool")
+# Those of them that read their prompts from data.path (checked with the files).
+DATA_TASKS = ("math_boxed",)
+
+
 @dataclass
 class TaskConfig:
     """What the policy is asked to do and how it is rewarded."""
-    name: str = opt("arithmetic", "Task or environment (registered name; built in: arithmetic, math_boxed, "
-                                  "calculator_tool).")
+    name: str = opt("arithmetic", "Task or environment (registered name; built in: " + ", ".join(BUILTIN_TASKS)
+                                  + ").")
     eval_fraction: float = opt(0.05, "Fraction of prompt texts held out for evaluation (chosen by a hash of the "
                                      "text, so train and eval never share a prompt).", ge=0, le=1)
     chat_template: bool = opt(False, "Wrap each prompt as one user message with the tokenizer's chat template "
@@ -644,7 +661,9 @@ def load(path: str | os.PathLike | None, overrides: list[str] = (), *, check_fil
 
 
 def validate(cfg: Config, *, check_files: bool = True) -> None:
-    """Cross-key rules; single keys were checked while loading."""
+    """Cross-key rules; single keys were checked while loading. ``check_files = False`` skips the rules
+    that read files (model.path, model.init_config, the data file): a cluster config read where its
+    model and data are not, such as ``--no-files`` or ``submit --dry-run``."""
     r = cfg.resources
     used = r.trainer_replicas * r.trainer_shard_size + r.rollout_instances * r.rollout_tp_size
     if used != r.workers:
@@ -720,7 +739,11 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
         raise ConfigError("run.poll_min_s", cfg.run.poll_min_s, f"must be ≤ run.poll_max_s ({cfg.run.poll_max_s})")
     if cfg.slurm.mpi not in ("pmi2", "pmix", "pmi1", "none", "cray_shasta") and not cfg.slurm.mpi.startswith("pmix_"):
         raise ConfigError("slurm.mpi", cfg.slurm.mpi, "allowed: pmi2, pmix, pmix_v<N>, pmi1, cray_shasta, none")
-    _load_registrations(cfg)
+    for module in cfg.run.plugins:
+        try:
+            plugins.import_plugin(module)
+        except ImportError as e:
+            raise ConfigError("run.plugins", module, f"cannot import: {e}") from None
     from .core.filters import replay_filter_names
     from .core.samplers import sampler_names
     if cfg.reflow.sampler not in sampler_names():
@@ -728,9 +751,9 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     if cfg.reflow.replay_filter not in replay_filter_names():
         raise ConfigError("reflow.replay_filter", cfg.reflow.replay_filter,
                           "registered: " + ", ".join(replay_filter_names()))
-    for hook, reads_files in _VALIDATORS:
-        if check_files or not reads_files:
-            hook(cfg)
+    _check_task(cfg, check_files)
+    _check_rollout(cfg)
+    _check_sim(cfg)
     if cfg.model.init_config and cfg.model.warmstart:
         raise ConfigError("model.init_config", cfg.model.init_config,
                           "builds a randomly initialised policy; model.warmstart builds the tiny one: set only one")
@@ -744,7 +767,147 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
                               f"{why} (a Hugging Face model directory; or set model.warmstart = true)")
 
 
-_VALIDATORS: list[tuple[Callable[[Config], None], bool]] = []
+def _check_task(cfg: Config, check_files: bool) -> None:
+    """[task] and, for a task that reads one, the file of [data]; then a plugin task's own check."""
+    t = cfg.task
+    registered = plugins.task_names()
+    if t.name not in BUILTIN_TASKS and t.name not in registered:
+        raise ConfigError("task.name", t.name, "allowed: " + ", ".join(sorted({*BUILTIN_TASKS, *registered})))
+    if t.min_terms > t.max_terms:
+        raise ConfigError("task.min_terms", t.min_terms, f"must be ≤ task.max_terms ({t.max_terms})")
+    if check_files and t.name in DATA_TASKS:
+        data_rows(cfg, limit=1)
+    check = getattr(plugins.task_class(t.name), "check", None)
+    if check is not None:
+        check(cfg, files=check_files)
+
+
+def _check_rollout(cfg: Config) -> None:
+    """[rollout]: limits every engine needs (they check them again against their model's length,
+    rollout/engine.py ``check_limits``); max_concurrency and max_prefill_tokens are bounded per key."""
+    r = cfg.rollout
+    if r.max_model_len == 1:
+        raise ConfigError("rollout.max_model_len", 1, "must be 0 (the model's length) or ≥ 2")
+    if r.max_model_len > r.kv_budget_tokens:
+        raise ConfigError("rollout.max_model_len", r.max_model_len,
+                          f"must be ≤ rollout.kv_budget_tokens ({r.kv_budget_tokens}) so that one request always fits")
+    if r.engine == "vllm" and r.top_p != 1:
+        raise ConfigError("rollout.top_p", r.top_p, "the vllm engine needs 1: vLLM's log-probs are taken after top-p "
+                                                    "truncation, which the trainer does not recompute")
+
+
+def _check_sim(cfg: Config) -> None:
+    """[sim] (python -m reflow_hpc.sim)."""
+    from .core.modes import MODES
+    s = cfg.sim
+    if s.tick_s >= cfg.run.timeout_s:
+        raise ConfigError("sim.tick_s", s.tick_s, f"must be < run.timeout_s ({cfg.run.timeout_s}): the simulated "
+                                                  f"heartbeats keep every worker alive")
+    if len(s.decode_tp_efficiency) != 4 or any(not 0 < e <= 1 for e in s.decode_tp_efficiency):
+        raise ConfigError("sim.decode_tp_efficiency", s.decode_tp_efficiency,
+                          "expected 4 numbers in (0, 1]: TP 1, 2, 4, 8")
+    bad = [m for m in s.logprob_recompute_modes if m not in MODES]
+    if bad:
+        raise ConfigError("sim.logprob_recompute_modes", bad[0], "allowed: " + ", ".join(MODES))
+
+
+# --------------------------------------------------------------------------------------------
+# The prompt file of [data]
+# --------------------------------------------------------------------------------------------
+
+def data_rows(cfg: Config, limit: int | None = None) -> list[tuple[str, str]]:
+    """(prompt text, reference answer) of the records of ``data.path`` (the first ``limit`` of them),
+    read by ``data.prompt_key`` and ``data.answer_key`` (the format: reflow_hpc/envs/math_boxed.py).
+    A missing, unreadable, malformed or empty file, or a record without the fields, is a ConfigError."""
+    path = _data_file(cfg)
+    rows = []
+    for where, rec in _data_records(path, cfg.data.path):
+        rows.append(_data_row(cfg, where, rec))
+        if limit is not None and len(rows) >= limit:
+            break
+    if not rows:
+        raise ConfigError("data.path", cfg.data.path, "the file holds no records")
+    return rows
+
+
+def _is_parquet(path: Path) -> bool:
+    return path.suffix.lower() in (".parquet", ".pq")
+
+
+def _data_file(cfg: Config) -> Path:
+    raw = cfg.data.path
+    if not raw:
+        raise ConfigError("data.path", raw, f"task {cfg.task.name} needs a JSONL or parquet file of "
+                                            "prompts and answers")
+    path = Path(raw)
+    if not path.exists():
+        raise ConfigError("data.path", raw, "no such file")
+    if not path.is_file():
+        raise ConfigError("data.path", raw, "not a regular file")
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise ConfigError("data.path", raw, f"cannot read: {e.strerror or e.__class__.__name__}") from None
+    if _is_parquet(path) and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError("data.path", raw, "reading parquet needs pyarrow, which is not installed "
+                                            "(install it, or convert the file to JSONL)")
+    return path
+
+
+def _data_records(path: Path, raw: str) -> Iterator[tuple[int, dict]]:
+    if _is_parquet(path):
+        import pyarrow.parquet as pq
+        yield from enumerate(pq.read_table(path).to_pylist(), start=1)
+        return
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError("data.path", raw, f"line {lineno} is not JSON: {e.msg}") from None
+            if not isinstance(rec, dict):
+                raise ConfigError("data.path", raw, f"line {lineno} is not a JSON object")
+            yield lineno, rec
+
+
+def _data_field(record: dict, dotted: str) -> Any:
+    cur: Any = record
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            raise KeyError(dotted)
+        cur = cur[part]
+    return cur
+
+
+def _prompt_text(value: Any) -> str:
+    if isinstance(value, list):   # chat messages
+        users = [m.get("content", "") for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        if not users:
+            raise ValueError("a chat-message prompt without a user message")
+        value = users[-1]
+    if not isinstance(value, str):
+        raise ValueError(f"prompt is a {type(value).__name__}, expected a string or chat messages")
+    return value
+
+
+def _data_row(cfg: Config, where: int, rec: dict) -> tuple[str, str]:
+    d = cfg.data
+    try:
+        text = _prompt_text(_data_field(rec, d.prompt_key))
+    except KeyError:
+        raise ConfigError("data.prompt_key", d.prompt_key, f"no such field in record {where} of {d.path}") from None
+    except ValueError as e:
+        raise ConfigError("data.prompt_key", d.prompt_key, f"record {where} of {d.path}: {e}") from None
+    try:
+        answer = _data_field(rec, d.answer_key)
+    except KeyError:
+        raise ConfigError("data.answer_key", d.answer_key, f"no such field in record {where} of {d.path}") from None
+    if isinstance(answer, list) and len(answer) == 1:
+        answer = answer[0]
+    return text, str(answer)
 
 
 def notices(cfg: Config) -> list[str]:
@@ -761,26 +924,6 @@ def notices(cfg: Config) -> list[str]:
                    f"reflow.sigma = {r.sigma:g} has little effect (replay needs reflow.delta ≥ 2; the paper's "
                    f"δ = 1 counts weight syncs made every few steps: README, Simulator)")
     return out
-
-
-def _load_registrations(cfg: Config) -> None:
-    """Import what registers names and validators: built-in tasks, the engine factory, user plugins."""
-    import importlib
-    for module in ("reflow_hpc.envs", "reflow_hpc.rollout.factory", *cfg.run.plugins):
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ConfigError("run.plugins", module, f"cannot import: {e}") from None
-
-
-def validator(fn: Callable[[Config], None] | None = None, *, reads_files: bool = False) -> Any:
-    """Register a cross-key rule owned by another module (e.g. a task that needs data.path). A rule with
-    ``reads_files`` is skipped when files are not checked (``load(..., check_files=False)``: a cluster
-    config read where its model and data are not, such as ``--no-files`` or ``submit --dry-run``)."""
-    def register(f: Callable[[Config], None]) -> Callable[[Config], None]:
-        _VALIDATORS.append((f, reads_files))
-        return f
-    return register(fn) if fn is not None else register
 
 
 # --------------------------------------------------------------------------------------------
@@ -888,4 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as a script, this file is a second module beside reflow_hpc.config, the one that tasks and
+    # plugins import: use that one, so that its ConfigError is the one main_guard catches.
+    from reflow_hpc.config import main as _main
+    sys.exit(_main())

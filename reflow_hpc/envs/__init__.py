@@ -1,7 +1,8 @@
 """Tasks and multi-turn environments (DESIGN §6): prompts, rewards, tool calls, the tiny tokenizer.
 
-Importing this package registers the built-in tasks (``arithmetic``, ``math_boxed``,
-``calculator_tool``) and their config validators; it imports neither torch nor transformers.
+Importing this package registers the classes of the built-in tasks (``arithmetic``, ``math_boxed``,
+``calculator_tool``) by name, for ``make_task``; their config rules are ``config``'s. It imports
+neither torch nor transformers.
 """
 
 from .task import (Episode, Observation, Prompt, Task, make_task, prompt_token_ids, register_task,

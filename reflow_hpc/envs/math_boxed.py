@@ -11,18 +11,16 @@ order reshuffled every epoch from ``run.seed`` (``data.shuffle``), so a run may 
 than the file holds.
 
 A missing, unreadable or malformed file is a config error at load time, naming ``data.path`` or
-the field key.
+the field key: the reader is ``config.data_rows``, so that validating a config checks the file
+without this module.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import random
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..config import ConfigError, validator
+from ..config import data_rows
 from .boxed import boxed_reward
 from .task import Prompt, Task, register_task
 
@@ -30,106 +28,9 @@ if TYPE_CHECKING:
     from ..config import Config
 
 
-def _field(record: dict, dotted: str) -> Any:
-    cur: Any = record
-    for part in dotted.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            raise KeyError(dotted)
-        cur = cur[part]
-    return cur
-
-
-def _prompt_text(value: Any) -> str:
-    if isinstance(value, list):   # chat messages
-        users = [m.get("content", "") for m in value if isinstance(m, dict) and m.get("role") == "user"]
-        if not users:
-            raise ValueError("a chat-message prompt without a user message")
-        value = users[-1]
-    if not isinstance(value, str):
-        raise ValueError(f"prompt is a {type(value).__name__}, expected a string or chat messages")
-    return value
-
-
-def _is_parquet(path: Path) -> bool:
-    return path.suffix.lower() in (".parquet", ".pq")
-
-
-def _check_readable(cfg: "Config") -> Path:
-    raw = cfg.data.path
-    if not raw:
-        raise ConfigError("data.path", raw, f"task {cfg.task.name} needs a JSONL or parquet file of "
-                                            "prompts and answers")
-    path = Path(raw)
-    if not path.exists():
-        raise ConfigError("data.path", raw, "no such file")
-    if not path.is_file():
-        raise ConfigError("data.path", raw, "not a regular file")
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-    except OSError as e:
-        raise ConfigError("data.path", raw, f"cannot read: {e.strerror or e.__class__.__name__}") from None
-    if _is_parquet(path) and importlib.util.find_spec("pyarrow") is None:
-        raise ConfigError("data.path", raw, "reading parquet needs pyarrow, which is not installed "
-                                            "(install it, or convert the file to JSONL)")
-    return path
-
-
-def _iter_records(path: Path, raw: str):
-    if _is_parquet(path):
-        import pyarrow.parquet as pq
-        yield from enumerate(pq.read_table(path).to_pylist(), start=1)
-        return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError("data.path", raw, f"line {lineno} is not JSON: {e.msg}") from None
-            if not isinstance(rec, dict):
-                raise ConfigError("data.path", raw, f"line {lineno} is not a JSON object")
-            yield lineno, rec
-
-
-def _read_row(cfg: "Config", where: int, rec: dict) -> tuple[str, str]:
-    d = cfg.data
-    try:
-        text = _prompt_text(_field(rec, d.prompt_key))
-    except KeyError:
-        raise ConfigError("data.prompt_key", d.prompt_key, f"no such field in record {where} of {d.path}") from None
-    except ValueError as e:
-        raise ConfigError("data.prompt_key", d.prompt_key, f"record {where} of {d.path}: {e}") from None
-    try:
-        answer = _field(rec, d.answer_key)
-    except KeyError:
-        raise ConfigError("data.answer_key", d.answer_key, f"no such field in record {where} of {d.path}") from None
-    if isinstance(answer, list) and len(answer) == 1:
-        answer = answer[0]
-    return text, str(answer)
-
-
 def load_rows(cfg: "Config") -> list[tuple[str, str]]:
     """(prompt text, reference answer) of every record of ``data.path``."""
-    path = _check_readable(cfg)
-    rows = [_read_row(cfg, where, rec) for where, rec in _iter_records(path, cfg.data.path)]
-    if not rows:
-        raise ConfigError("data.path", cfg.data.path, "the file holds no records")
-    return rows
-
-
-@validator(reads_files=True)
-def _check_data(cfg: "Config") -> None:
-    """File tasks: the file must exist and be readable, and its first record must have the fields."""
-    if cfg.task.name != "math_boxed":
-        return
-    path = _check_readable(cfg)
-    for where, rec in _iter_records(path, cfg.data.path):
-        _read_row(cfg, where, rec)
-        break
-    else:
-        raise ConfigError("data.path", cfg.data.path, "the file holds no records")
+    return data_rows(cfg)
 
 
 @register_task("math_boxed")

@@ -32,17 +32,20 @@ True``) turns a tool call at the end of a model turn into an observation, up to 
 model turns, each tool call bounded by ``task.turn_timeout_s``.
 
 Register a task with ``@register_task("name")`` on a class whose constructor takes the
-:class:`~reflow_hpc.config.Config`; ``make_task(cfg)`` builds ``task.name``. This package imports
-neither torch nor transformers (the config validator imports it).
+:class:`~reflow_hpc.config.Config`; ``make_task(cfg)`` builds ``task.name``. The table of names is
+:mod:`reflow_hpc.plugins`, which validating a config reads; the built-in tasks' rules are
+``config``'s own, and a plugin's task may add its own in :meth:`Task.check`. This package imports
+neither torch nor transformers.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..config import ConfigError, validator
+from ..config import ConfigError
+from ..plugins import register_task as register_task, task_class, task_names
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -77,6 +80,12 @@ class Task:
         self.cfg = cfg
         self.seed = cfg.run.seed
         self.eval_fraction = cfg.task.eval_fraction
+
+    @classmethod
+    def check(cls, cfg: "Config", *, files: bool) -> None:
+        """Rules of the keys a plugin's task reads, raising ConfigError; validating a config that selects
+        the task calls it (``files``: whether rules that read files apply). The built-in tasks keep
+        theirs in ``config``, which judges a config alike whether or not this package was imported."""
 
     # -- prompts and rewards ----------------------------------------------------------------
 
@@ -171,39 +180,16 @@ class Episode:
 
 
 # --------------------------------------------------------------------------------------------
-# Registry
+# Registry: the table is reflow_hpc.plugins' (register_task is re-exported from there)
 # --------------------------------------------------------------------------------------------
-
-_TASKS: dict[str, Callable[["Config"], Task]] = {}
-
-
-def register_task(name: str) -> Callable[[type], type]:
-    """Class decorator: make a Task subclass available as ``task.name = name``."""
-    def deco(cls: type) -> type:
-        if name in _TASKS and _TASKS[name] is not cls:
-            raise ValueError(f"task {name!r} is registered twice ({_TASKS[name].__name__}, {cls.__name__})")
-        cls.name = name
-        _TASKS[name] = cls
-        return cls
-    return deco
-
-
-def task_names() -> list[str]:
-    return sorted(_TASKS)
 
 
 def make_task(cfg: "Config") -> Task:
     """The task named by ``task.name``, built from the whole config."""
-    cls = _TASKS.get(cfg.task.name)
+    cls = task_class(cfg.task.name)
     if cls is None:
         raise ConfigError("task.name", cfg.task.name, "allowed: " + ", ".join(task_names()))
     return cls(cfg)
-
-
-@validator
-def _check_task_name(cfg: "Config") -> None:
-    if cfg.task.name not in _TASKS:
-        raise ConfigError("task.name", cfg.task.name, "allowed: " + ", ".join(task_names()))
 
 
 def prompt_token_ids(tokenizer: Any, text: str, chat_template: bool = False) -> list[int]:

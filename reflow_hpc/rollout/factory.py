@@ -2,27 +2,16 @@
 
 ``rollout.engine = "torch"`` builds the embedded engine; ``"vllm"`` builds vLLM's, which needs vLLM
 installed in the running Python (``tools/vllm_env.sh`` builds a CPU one) and ``rollout.top_p = 1``.
+The rules of the ``[rollout]`` keys are ``config``'s; an engine checks its limits again against its
+model (``engine.check_limits``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-from ..config import Config, ConfigError, RolloutConfig, validator
-from .engine import Engine, LimitError, SamplingParams, check_limits
-
-
-@validator
-def _check_rollout(cfg: Config) -> None:
-    r = cfg.rollout
-    try:
-        check_limits(max_concurrency=r.max_concurrency, kv_budget_tokens=r.kv_budget_tokens,
-                     max_model_len=r.max_model_len, max_prefill_tokens=r.max_prefill_tokens)
-    except LimitError as e:
-        raise ConfigError(e.key, e.value, e.why) from None
-    if r.engine == "vllm" and r.top_p != 1:
-        raise ConfigError("rollout.top_p", r.top_p, "the vllm engine needs 1: vLLM's log-probs are taken after top-p "
-                                                    "truncation, which the trainer does not recompute")
+from ..config import ConfigError, RolloutConfig
+from .engine import Engine, SamplingParams
 
 
 def build_engine(model, cfg: RolloutConfig, *, device: str = "cpu", seed: int = 0, version: int = 0,

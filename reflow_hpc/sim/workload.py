@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..config import Config, ConfigError, load, validator
+from ..config import Config, ConfigError, load
 from ..coordination import coordinator_settings, new_coordinator
 from ..core.coordinator import Coordinator, Settings
 from ..core.modes import MODES, rules
@@ -153,18 +153,3 @@ def build_coordinator(cfg: Config, place: Placement, costs: Costs | None = None,
     settings = dataclasses.replace(settings, check_invariants=check_invariants)
     return new_coordinator(cfg, settings, trainers=list(place.trainers), rollouts=list(place.rollouts),
                            world=place.world), settings
-
-
-@validator
-def _check_sim(cfg: Config) -> None:
-    """Rules of the [sim] section (registered when the simulator is imported)."""
-    s = cfg.sim
-    if s.tick_s >= cfg.run.timeout_s:
-        raise ConfigError("sim.tick_s", s.tick_s, f"must be < run.timeout_s ({cfg.run.timeout_s}): the simulated "
-                                                  f"heartbeats keep every worker alive")
-    if len(s.decode_tp_efficiency) != 4 or any(not 0 < e <= 1 for e in s.decode_tp_efficiency):
-        raise ConfigError("sim.decode_tp_efficiency", s.decode_tp_efficiency,
-                          "expected 4 numbers in (0, 1]: TP 1, 2, 4, 8")
-    bad = [m for m in s.logprob_recompute_modes if m not in MODES]
-    if bad:
-        raise ConfigError("sim.logprob_recompute_modes", bad[0], "allowed: " + ", ".join(MODES))

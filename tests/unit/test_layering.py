@@ -11,14 +11,15 @@ PACKAGE = Path(__file__).resolve().parents[2] / "reflow_hpc"
 
 # The part of the package a module belongs to: its subpackage, or the module itself at the top.
 # For each part, the other parts it may import (its own is always allowed).
-BELOW_RUNTIME = {"core", "comm", "config", "trajectory", "envs", "storage", "rollout", "train", "policy",
+BELOW_RUNTIME = {"core", "comm", "config", "plugins", "trajectory", "envs", "storage", "rollout", "train", "policy",
                  "metrics", "evaluation", "warmstart", "coordination"}
 ALLOWED = {
     "core": set(),
+    "plugins": set(),
     "trajectory": set(),
-    "config": {"core"},
+    "config": {"core", "plugins"},
     "comm": set(),
-    "envs": {"config", "core"},
+    "envs": {"config", "core", "plugins"},
     "storage": {"comm", "config", "trajectory"},
     "rollout": {"config", "envs", "trajectory"},
     "train": {"comm", "config", "trajectory", "policy"},

@@ -1,0 +1,51 @@
+"""Tasks by name, and the user's modules (``run.plugins``) that add tasks, samplers and filters.
+
+A config selects a task (``task.name``), a replay sampler (``reflow.sampler``) and a replay filter
+(``reflow.replay_filter``) by name. The sampler and filter tables live in ``core``
+(:mod:`reflow_hpc.core.samplers`, :mod:`reflow_hpc.core.filters`); the task table lives here, below
+``config``, so that validating a config sees every registered task without importing any task's
+code. The built-in tasks need no registration to be valid names: ``config.BUILTIN_TASKS`` names them
+and their rules are config's own section checks, so a config is judged alike whether or not
+``reflow_hpc.envs`` was imported. ``reflow_hpc.envs.register_task`` files a task class here.
+
+:func:`import_plugin` is the one place the package imports a module by a name it reads at run
+time. ``config.validate`` calls it for each module of ``run.plugins`` before it checks the
+registered names, so every entry point that loads a config (``python -m reflow_hpc.config``,
+``run``, ``submit``, the simulator, the warm start) imports the same plugins and applies the same
+rules. A plugin registers with ``@register_sampler`` / ``@register_replay_filter`` (``core``) or
+``@register_task`` (``envs``); a task of its own may check the keys it reads in a classmethod
+``check(cfg, *, files)`` (``envs.Task.check``), which validation calls when the config selects it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+_TASKS: dict[str, type] = {}
+
+
+def register_task(name: str) -> Callable[[type], type]:
+    """Class decorator: make a Task subclass available as ``task.name = name``."""
+    def deco(cls: type) -> type:
+        if name in _TASKS and _TASKS[name] is not cls:
+            raise ValueError(f"task {name!r} is registered twice ({_TASKS[name].__name__}, {cls.__name__})")
+        cls.name = name
+        _TASKS[name] = cls
+        return cls
+    return deco
+
+
+def task_class(name: str) -> type | None:
+    """The class registered as ``name``, or None."""
+    return _TASKS.get(name)
+
+
+def task_names() -> list[str]:
+    """Names of the registered task classes."""
+    return sorted(_TASKS)
+
+
+def import_plugin(module: str) -> None:
+    """Import one module of ``run.plugins`` (raises ImportError; the caller names the config key)."""
+    importlib.import_module(module)
