@@ -87,6 +87,9 @@ def load_mode(path: str | None, mode: str, overrides: list[str] = (), gpus: int 
     cfg = load(path, sets, check_files=False) if cfg.sim.gpus or _has_schedule(path, sets) else cfg
     if cfg.reflow.mode != mode:
         raise ConfigError("reflow.mode", cfg.reflow.mode, f"the simulator was asked for mode {mode}")
+    if cfg.sim.tick_s >= cfg.run.timeout_s:       # a simulated run's own rule: a real run has no such ticks
+        raise ConfigError("sim.tick_s", cfg.sim.tick_s, f"must be < run.timeout_s ({cfg.run.timeout_s}): the "
+                                                        f"simulated heartbeats keep every worker alive")
     return cfg
 
 

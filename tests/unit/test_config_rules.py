@@ -53,8 +53,6 @@ BAD = [
     (["rollout.engine=vllm", "rollout.top_p=0.9"], "config error: rollout.top_p = 0.9: the vllm engine needs 1: "
                                                    "vLLM's log-probs are taken after top-p truncation, which the "
                                                    "trainer does not recompute"),
-    (["sim.tick_s=500"], "config error: sim.tick_s = 500.0: must be < run.timeout_s (60.0): the simulated "
-                         "heartbeats keep every worker alive"),
     (['sim.logprob_recompute_modes=["turbo"]'], 'config error: sim.logprob_recompute_modes = "turbo": allowed: '
                                                 'sync, one_step_off, fully_async, reflow'),
     (["reflow.sampler=nope"], 'config error: reflow.sampler = "nope": registered: medium_reward, random'),
@@ -67,6 +65,9 @@ BAD = [
     (['run.plugins=["rules_plugin"]', "reflow.sampler=plugin_samplr"],
      'config error: reflow.sampler = "plugin_samplr": registered: medium_reward, plugin_sampler, random'),
 ]
+# A rule of simulated runs only: a real run has no simulated heartbeats (its own timeout may be short).
+BAD_SIM = [(["sim.tick_s=500"], "config error: sim.tick_s = 500.0: must be < run.timeout_s (60.0): the simulated "
+                                "heartbeats keep every worker alive")]
 # Rules that read files: applied by the entry points that check files.
 BAD_FILES = [
     (["task.name=math_boxed"], 'config error: data.path = "": task math_boxed needs a JSONL or parquet file of '
@@ -127,14 +128,14 @@ def test_every_entry_point_gives_the_same_one_line_error(plugin_path, tmp_path):
     line and exit code 2 from all of them."""
     seen = {}
     for name, (module, _) in ENTRY_POINTS.items():
-        cases = BAD + (BAD_FILES if name in CHECKS_FILES else [])
+        cases = BAD + (BAD_FILES if name in CHECKS_FILES else []) + (BAD_SIM if name == "sim" else [])
         r = run_cmd([sys.executable, "-c", DRIVER, module, json.dumps([_argv(name, s, tmp_path) for s, _ in cases])],
                     env=_env(plugin_path), timeout=120)
         assert r.returncode == 0, r.stderr
         for (sets, want), (code, lines) in zip(cases, json.loads(r.stdout.splitlines()[-1])):
             seen[name, tuple(sets)] = (code, lines)
             assert (code, lines) == (2, [want]), f"{name} {sets}: exit {code}, stderr {lines}"
-    assert len(seen) == len(ENTRY_POINTS) * len(BAD) + len(CHECKS_FILES) * len(BAD_FILES)
+    assert len(seen) == len(ENTRY_POINTS) * len(BAD) + len(CHECKS_FILES) * len(BAD_FILES) + len(BAD_SIM)
 
 
 @pytest.mark.parametrize("name", list(ENTRY_POINTS))
