@@ -4,10 +4,12 @@ A worker is hybrid: its role — rollout, trainer, or both in colocated ``sync``
 coordinator's :class:`~reflow_hpc.core.commands.Setup` and later :class:`~reflow_hpc.core.commands.Switch`
 commands say. At set-up every worker builds both sides (pre-warm): the rollout engine with its
 episode runner and sample store (whose fetch server the service thread polls), the trainer with its
-fetch client, its replica's shard group (``resources.trainer_shard_size`` > 1: the trainer is
-FSDP2-sharded over it) and, for every placement the elastic pool may take, the trainer replica group
-(with shards: this rank's counterparts) and the weight-sync group (docs/architecture.md, "Process
-groups"). The side its role does not use sleeps (on a GPU: offloaded). Then it carries out
+fetch client. Its process groups are made once, for every split the elastic pool may take, from
+one description of the job (:class:`~reflow_hpc.comm.dims.ParallelDims`) and asked for by name
+(:class:`~reflow_hpc.comm.groups.ProcessGroups`: its replica's shard group — ``resources.trainer_shard_size``
+> 1: the trainer is FSDP2-sharded over it —, per split its counterparts, the weight-sync group and
+its rollout instance's tensor-parallel group; docs/architecture.md, "Process groups"). The side its
+role does not use sleeps (on a GPU: offloaded). Then it carries out
 the coordinator's commands in the order they arrive (``handlers``: one method per command type)
 and, whenever it has requests in flight, steps the engine between them:
 
@@ -38,7 +40,6 @@ Every wait is bounded: the coordinator's heartbeat must arrive within ``run.time
 from __future__ import annotations
 
 import copy
-import datetime
 import shutil
 import time
 from pathlib import Path
@@ -92,10 +93,10 @@ class Worker:
         self.trainers: tuple[int, ...] = ()
         self.rollouts: tuple[int, ...] = ()
         self.shard = self.cfg.resources.trainer_shard_size   # s_T: workers per trainer replica
-        self.shard_group: Any = None                          # this rank's replica's workers (s_T > 1)
         self.tp = self.cfg.resources.rollout_tp_size         # s_R: workers per rollout instance
         self.follower: Any = None                             # FollowerLink: a tensor-parallel instance's non-first rank
-        self.groups: dict[int, tuple[Any, Any]] = {}       # trainer replicas -> (replica group, sync group)
+        self.dims: Any = None                                 # ParallelDims: the groups of every split, as data
+        self.groups: Any = None                               # ProcessGroups: this rank's, by name
         self.wsyncs: dict[int, Any] = {}                    # trainer replicas -> weight-sync endpoint
         self.holdings: Holdings | None = None
         self.resume_from: str | None = None
@@ -112,9 +113,9 @@ class Worker:
     # ------------------------------------------------------------------------------ set-up
 
     def setup(self, msg: Setup) -> None:
-        import torch.distributed as dist
-
+        from ..comm.dims import ParallelDims
         from ..comm.dist import init_process_group
+        from ..comm.groups import ProcessGroups
 
         cfg, rank = self.cfg, self.rank
         self.colocated = msg.colocated
@@ -122,37 +123,19 @@ class Worker:
         self.trainers, self.rollouts = tuple(msg.trainers), tuple(msg.rollouts)
         init_process_group(self.rt.world, device=self.device, single_host=self.rt.single_host,
                            timeout_s=cfg.run.timeout_s, master_addr=cfg.run.master_addr)
-        # Every rank creates every group, in the same order (torch.distributed requires it), so that a
-        # switch needs no collective. A trainer replica is a shard group of s_T consecutive ranks, fixed
-        # for the run (the pools are prefixes of whole replicas); per placement the pool may take, one
-        # replica group per shard index (the ranks with that index in every replica: its counterparts)
-        # and one sync group (the first trainer and the rollout workers).
-        t0 = time.monotonic()
-        deadline = datetime.timedelta(seconds=cfg.run.timeout_s)
-        world, s = self.rt.size, self.shard
-        shard_groups = [dist.new_group(list(range(b, b + s)), timeout=deadline) for b in range(0, world - s + 1, s)] \
-            if s > 1 else []
-        self.shard_group = shard_groups[rank // s] if rank // s < len(shard_groups) else None
-        self._shard_groups = len(shard_groups)
-        # A tensor-parallel rollout instance (s_R > 1; static split pools) is s_R consecutive ranks: one group
-        # each, for the weights its first rank passes on; vLLM lays its own TP groups over the same blocks.
-        tp = self.tp
-        instance_groups = [dist.new_group(list(range(b, b + tp)), timeout=deadline) for b in range(0, world, tp)] \
-            if tp > 1 else []
-        self.instance_group = instance_groups[rank // tp] if instance_groups else None
-        self.instance_comm = self.rt.world.Dup() if tp > 1 else None
-        for n_t in msg.placements or (len(msg.trainers) // s,):
-            trainers = list(msg.trainers) if msg.colocated else list(range(n_t * s))
-            rollouts = list(msg.rollouts) if msg.colocated else list(range(n_t * s, world, tp))
-            mine = None
-            for j in range(s):
-                ranks = trainers[j::s]
-                group = dist.new_group(ranks, timeout=deadline) if len(ranks) > 1 else None
-                if rank in ranks:
-                    mine = group
-            sync_group = None if msg.colocated else dist.new_group(sorted({trainers[0], *rollouts}), timeout=deadline)
-            self.groups[len(trainers) // s if not msg.colocated else n_t] = (mine, sync_group)
-        self.group_setup_s = time.monotonic() - t0
+        # Every rank creates every group of every split the pool may take, in the same order
+        # (torch.distributed requires it), so that a switch needs no collective.
+        n_t = len(msg.trainers) // self.shard
+        self.dims = ParallelDims(world=self.rt.size, shard=self.shard, tp=self.tp,
+                                 replicas=(n_t,) if msg.colocated else (n_t, *msg.placements),
+                                 colocated=msg.colocated)
+        split = self.dims.split(n_t)
+        if (split.trainers, split.rollouts) != (self.trainers, self.rollouts):
+            raise RuntimeError(f"rank {rank}: setup: trainers {list(self.trainers)} and rollout workers "
+                               f"{list(self.rollouts)} are not the split of {n_t} trainer replicas "
+                               f"({list(split.trainers)}, {list(split.rollouts)})")
+        self.groups = ProcessGroups.create(self.dims, rank, cfg.run.timeout_s)
+        self.instance_comm = self.rt.world.Dup() if self.tp > 1 else None
 
         from ..policy import load_policy
         model, self.tokenizer = load_policy(cfg.model.path, cfg.model.dtype, self.device)
@@ -164,10 +147,8 @@ class Worker:
         ref = None
         if cfg.algorithm.kl_coef > 0:
             ref, _ = load_policy(cfg.model.path, cfg.model.dtype, self.device)
-        replica_group = self._groups()[0]
-        self.trainer = Trainer(copy.deepcopy(model), cfg, self.device,
-                               group=replica_group if rank in self.trainers else None, ref_model=ref,
-                               shard_group=self.shard_group)
+        self.trainer = Trainer(copy.deepcopy(model), cfg, self.device, group=self.groups.replica(self._n_t()),
+                               ref_model=ref, shard_group=self.groups.shard)
         if msg.resume_from:
             from ..train.checkpoint import load_checkpoint
             load_checkpoint(msg.resume_from, trainer=self.trainer, restore_rng=False, map_location=self.device)
@@ -179,23 +160,24 @@ class Worker:
         from ..storage.fetch import FetchClient
         self.fetcher = FetchClient(self.rt.data_comm, cfg.run.timeout_s, store=self.store,
                                    poll_min_s=cfg.run.poll_min_s, poll_max_s=cfg.run.poll_max_s)
-        groups = sum(g is not None for pair in self.groups.values() for g in pair) + self._shard_groups
-        self.rt.send(Ready(rank, inventory, lost, groups, self.group_setup_s))
+        self.rt.send(Ready(rank, inventory, lost, self.groups.created, self.groups.seconds))
 
-    def _groups(self) -> tuple[Any, Any]:
-        """(replica group — with sharding, this rank's counterparts — , sync group) of the placement in force."""
-        return self.groups[len(self.trainers) // self.shard] if not self.colocated else next(iter(self.groups.values()))
+    def _n_t(self) -> int:
+        """Trainer replicas in force: the split whose groups apply."""
+        return len(self.trainers) // self.shard
 
     def _weight_sync(self) -> Any:
-        """The weight-sync endpoint of the placement in force (built on first use: it verifies the specs)."""
+        """The weight-sync endpoint of the split in force (built on first use: it verifies the specs)."""
         from ..train.weight_sync import WeightSync
-        n_t = len(self.trainers)
+        n_t = self._n_t()
         if n_t not in self.wsyncs:
-            src = self.trainers[0]
+            src, group = self.trainers[0], self.groups.sync(n_t)
+            if group is None:          # WeightSync would take None for the default group
+                raise RuntimeError(f"rank {self.rank}: weight sync with {n_t} trainer replicas: this rank is not "
+                                   f"in the split's sync group {list(self.dims.split(n_t).sync)}")
             model = self.trainer.model if self.rank == src else self.engine_model
             self.wsyncs[n_t] = WeightSync.for_model(model, src=src, bucket_mb=self.cfg.trainer.sync_bucket_mb,
-                                                    device=self.device, group=self._groups()[1],
-                                                    timeout_s=self.cfg.run.timeout_s)
+                                                    device=self.device, group=group, timeout_s=self.cfg.run.timeout_s)
         return self.wsyncs[n_t]
 
     def _build_rollout(self, model: Any, msg: Setup) -> tuple[list[dict], list[int]]:
@@ -209,15 +191,14 @@ class Worker:
         self.engine_model = model
         self.engine = build_engine(model, cfg.rollout, device=self.device, seed=cfg.run.seed, version=msg.version,
                                    tp=self.tp)
-        first = self.rank - self.rank % self.tp             # the first rank of this rank's block of s_R
-        if self.tp > 1 and first in self.rollouts:
+        instance = self.dims.split(self._n_t()).instance_of(self.rank)     # its ranks, the leader first
+        if self.tp > 1 and instance is not None:
             from ..rollout.tensor_parallel import FollowerLink, LeaderEngine
-            if first == self.rank:
-                self.engine = LeaderEngine(self.engine, self.instance_comm, self.instance_group,
-                                           list(range(first + 1, first + self.tp)))
+            group = self.groups.tp_instance(self._n_t())
+            if instance[0] == self.rank:
+                self.engine = LeaderEngine(self.engine, self.instance_comm, group, list(instance[1:]))
             else:
-                self.follower = FollowerLink(self.engine, self.instance_comm, self.instance_group, first,
-                                             device=self.device)
+                self.follower = FollowerLink(self.engine, self.instance_comm, group, instance[0], device=self.device)
         task = make_task(cfg)
         self.runner = EpisodeRunner(self.engine, task, self.tokenizer, sampling_params(cfg.rollout), owner=self.rank,
                                     chat_template=cfg.task.chat_template)
@@ -435,7 +416,7 @@ class Worker:
         if now_trainer and not was_trainer:
             self.trainer.onload()
         self.trainers, self.rollouts = tuple(cmd.trainers), tuple(cmd.rollouts)
-        self.trainer.set_group(self._groups()[0] if now_trainer else None)
+        self.trainer.set_group(self.groups.replica(self._n_t()))        # None unless it trains now
         for src, dst in cmd.transfers:               # a new replica: state from its counterpart, point to point
             if rank == src:
                 self.trainer.send_state(dst)
