@@ -46,7 +46,8 @@ def coordinator_settings(cfg: Config, *, workers: int | None = None, trainer_sha
                     checkpoint_every=cfg.checkpoint.every_steps, timeout_s=cfg.run.timeout_s,
                     setup_timeout_s=cfg.run.setup_timeout_s, eval_every=cfg.run.eval_every_steps,
                     time_budget_s=cfg.trainer.time_budget_s,
-                    event_log=event_log if event_log is not None else cfg.run.event_log, trainer_shard=trainer_shard)
+                    event_log=event_log if event_log is not None else cfg.run.event_log, trainer_shard=trainer_shard,
+                    rollout_tp=rollout_tp if rollout_tp is not None else res.rollout_tp_size)
 
 
 def new_coordinator(cfg: Config, settings: Settings, *, trainers: list[int], rollouts: list[int], world: int,

@@ -21,7 +21,10 @@ may move in which phase in :mod:`~reflow_hpc.core.phase`, and who must still ans
 Trainer replicas are ``s_T = trainer_shard`` workers each (FSDP2 parameter-shard groups of
 consecutive ranks): each trainer rank trains its own share of a batch; the first replica's whole
 shard group takes part in every weight sync (its first worker broadcasts, the others gather with it),
-snapshot and checkpoint; placements count replicas.
+snapshot and checkpoint; placements count replicas. Rollout instances are ``s_R = rollout_tp``
+consecutive ranks each (a tensor-parallel engine): the coordinator dispatches to, and hears samples
+from, an instance's first rank, its *leader*; the other ranks follow their leader's engine calls.
+Colocated, every rank trains and every instance's leader generates.
 
 Modes (DESIGN §9)
 -----------------
@@ -86,6 +89,7 @@ class Settings:
     time_budget_s: float = 0.0   # stop as at a preemption once the run trained this long (0: no budget)
     event_log: bool = True       # record every index event in ``Outputs.log``
     trainer_shard: int = 1       # s_T: workers per trainer replica (one shard group); trainers are whole replicas
+    rollout_tp: int = 1          # s_R: workers per rollout instance; rollout workers are the instances' first ranks
     check_invariants: bool = False   # check every index invariant after every event (tests; a full scan)
 
 
@@ -139,7 +143,7 @@ class Coordinator:
         _check_pools(settings, index, trainers, rollouts, world)
         self.settings, self.rules, self.index = settings, settings.rules, index
         workers = list(range(world))
-        self.pool = ElasticPool(workers, trainers, rollouts, shard=settings.trainer_shard,
+        self.pool = ElasticPool(workers, trainers, rollouts, shard=settings.trainer_shard, tp=settings.rollout_tp,
                                 planner=settings.placement, schedule=settings.placement_schedule)
         self.dispatcher = Dispatcher(workers, GenerationScheduler(
             settings.scheduling, list(rollouts), cap_max=settings.cap_max, kv_budget=settings.kv_budget))
@@ -440,21 +444,24 @@ _FROM_WORKERS = frozenset(ev.WORKER_EVENTS)
 
 def _check_pools(settings: Settings, index: ReplayIndex, trainers: list[int], rollouts: list[int],
                  world: int) -> None:
-    rules, s = settings.rules, settings.trainer_shard
+    rules, s, tp, ranks = settings.rules, settings.trainer_shard, settings.rollout_tp, list(range(world))
     if not trainers or not rollouts:
         raise ValueError("the coordinator needs at least one trainer and one rollout worker")
-    if rules.colocated and sorted(trainers) != sorted(rollouts):
-        raise ValueError(f"mode {rules.mode} is colocated: trainers and rollout workers must be the same ranks")
+    if rules.colocated and (sorted(trainers) != ranks or sorted(rollouts) != ranks[::tp]):
+        raise ValueError(f"mode {rules.mode} is colocated: every rank trains and every instance of {tp} rank(s) "
+                         f"generates on its first")
     if settings.cap_max + settings.scheduling.queue < index.group_size:
         raise ValueError(f"a rollout worker holds at most {settings.cap_max + settings.scheduling.queue} samples "
                          f"< group size {index.group_size}: no group could be dispatched")
     if s < 1 or len(trainers) % s:
         raise ValueError(f"{len(trainers)} trainer ranks are not whole replicas of s_T = {s} shards")
     elastic = settings.placement is not None or settings.placement_schedule
-    if elastic and (rules.colocated or list(trainers) + list(rollouts) != list(range(world))):
-        raise ValueError("an elastic pool needs split pools: trainers first, then rollout workers")
+    if elastic and (rules.colocated or list(trainers) != ranks[:len(trainers)]
+                    or list(rollouts) != ranks[len(trainers)::tp]):
+        raise ValueError("an elastic pool needs split pools: trainers first, then rollout instances")
     for step, n in settings.placement_schedule:
-        if not 1 <= n * s < world:
+        if not 1 <= n * s < world or (world - n * s) % tp:
             raise ValueError(f"placement schedule {step}:{n}: {n} trainer replicas of {s} shards need {n * s} of "
-                             f"the {world} workers and must leave at least one rollout worker")
+                             f"the {world} workers and must leave at least one rollout worker, in whole "
+                             f"instances of {tp}")
 

@@ -1,9 +1,9 @@
 """The elastic pool (split modes): which workers train and which generate.
 
-Trainers are the first ``n_T·s_T`` ranks (whole replicas of ``s_T`` parameter shards), rollout workers
-the rest. After each step the placement planner (:mod:`reflow_hpc.core.placement`) or a fixed schedule
+Trainers are the first ``n_T·s_T`` ranks (whole replicas of ``s_T`` parameter shards), rollout instances
+the rest (whole instances of ``s_R`` ranks, each known by its first rank, the rollout worker). After each step the placement planner (:mod:`reflow_hpc.core.placement`) or a fixed schedule
 (``placement_schedule``: after step k, n replicas) may ask for another ``n_T``; the switch happens at
-the next sync point. Every worker gets a :class:`~reflow_hpc.core.commands.Switch`; a worker that leaves
+the next sync point, and moves whole replicas and whole instances. Every worker gets a :class:`~reflow_hpc.core.commands.Switch`; a worker that leaves
 rollout hands its in-flight samples over, and they are re-dispatched to the remaining rollout workers
 once every worker switched (partial tokens and versions intact); a joining replica's i-th rank receives
 parameters and optimizer state from the i-th rank (the same shard) of an existing replica, the
@@ -21,9 +21,10 @@ from .scheduling import GenerationScheduler
 
 
 class ElasticPool:
-    def __init__(self, workers: list[int], trainers: list[int], rollouts: list[int], *, shard: int,
+    def __init__(self, workers: list[int], trainers: list[int], rollouts: list[int], *, shard: int, tp: int = 1,
                  planner: PlacementSettings | None, schedule: tuple[tuple[int, int], ...]):
-        self.workers, self.trainers, self.rollouts, self.shard = workers, list(trainers), list(rollouts), shard
+        self.workers, self.trainers, self.rollouts = workers, list(trainers), list(rollouts)
+        self.shard, self.tp = shard, tp
         self.planner = PlacementPlanner(planner, self.replicas) if planner else None
         self.schedule = schedule
         self.pending: int | None = None                     # trainer replicas to switch to at the next sync point
@@ -57,7 +58,7 @@ class ElasticPool:
 
     def set_replicas(self, n_replicas: int, generation: GenerationScheduler) -> None:
         n = n_replicas * self.shard
-        self.trainers, self.rollouts = self.workers[:n], self.workers[n:]
+        self.trainers, self.rollouts = self.workers[:n], self.workers[n::self.tp]
         for w in self.workers:
             if w in self.rollouts:
                 generation.add_worker(w)

@@ -39,14 +39,14 @@ Outgoing = list[tuple[int, Any]]
 
 
 def pools(cfg: Config) -> tuple[list[int], list[int]]:
-    """(trainer ranks, rollout ranks) of the fixed split: trainers first. A tensor-parallel rollout
-    instance (s_R > 1) is its first rank to the coordinator; the others follow it
-    (rollout/tensor_parallel.py)."""
-    w = cfg.resources.workers
+    """(trainer ranks, rollout ranks) at the start: trainers first. A tensor-parallel rollout instance
+    (s_R > 1) is its first rank to the coordinator; the others follow it (rollout/tensor_parallel.py).
+    Colocated, every rank trains and every instance's first rank generates."""
+    w, tp = cfg.resources.workers, cfg.resources.rollout_tp_size
     if rules(cfg.reflow.mode).colocated:
-        return list(range(w)), list(range(w))
+        return list(range(w)), list(range(0, w, tp))
     n_t = cfg.resources.trainer_replicas * cfg.resources.trainer_shard_size
-    return list(range(n_t)), list(range(n_t, w, cfg.resources.rollout_tp_size))
+    return list(range(n_t)), list(range(n_t, w, tp))
 
 
 def build_coordinator(cfg: Config, resume_from: Path | None = None) -> Coordinator:
