@@ -87,6 +87,7 @@ class Pool:
         self.delta = delta
         self.adv_eps, self.adv_std_norm = adv_eps, adv_std_norm
         self.sampler, self.accounts = sampler, accounts
+        self._ended = accounts.ended    # the accounting's own counters, bumped at every end
         self.samples: dict[int, SampleRecord] = {}
         self.groups: dict[int, OpenGroup] = {}
         self.count = dict.fromkeys(LIVE_STATES, 0)
@@ -296,7 +297,7 @@ class Pool:
         generating = state in GENERATING
         rank = rec.worker if generating else rec.owner
         del self.samples[sid]
-        self.accounts.ended[reason] += 1
+        self._ended[reason] += 1
         if reason == EVICTED_STALE and rec.times_used == 0:
             self.accounts.evicted_unused += 1
         out.append(Release(sid, rank, reason, not generating))
