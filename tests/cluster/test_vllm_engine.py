@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import engine_conformance as conf
+from conftest import HELPERS
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this Python (tools/vllm_env.sh builds .venv-vllm)")
 
@@ -142,13 +143,12 @@ def test_torch_threads_after_the_engine_started(engine):
 
 
 def _ranks(script: str, args: list[list[str]], timeout_s: float) -> list[dict]:
-    """Start one process per argument list running tests/``script`` and return each one's RESULT."""
+    """Start one process per argument list running tests/helpers/``script`` and return each one's RESULT."""
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    path = Path(__file__).with_name(script)
+    path = HELPERS / script
     procs = [subprocess.Popen([sys.executable, str(path), *a], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for a in args]
     results = []
