@@ -43,7 +43,7 @@ from bench_common import ROOT, table  # noqa: E402
 
 from reflow_hpc.config import load, to_dict  # noqa: E402
 from reflow_hpc.core import events as ev  # noqa: E402
-from reflow_hpc.core.commands import (Checkpoint, Dispatch, SaveCheckpoint, Sync, Train)  # noqa: E402
+from reflow_hpc.core.commands import Dispatch, FlushTrajectories, SyncWeights, Train, WriteCheckpoint  # noqa: E402
 from reflow_hpc.core.outputs import Outputs  # noqa: E402
 from reflow_hpc.metrics import StepMetrics  # noqa: E402
 from reflow_hpc.runtime.eventlog import encode  # noqa: E402
@@ -126,13 +126,13 @@ def synthesise(run_dir: Path, samples: int, seed: int = 0, sets: list[str] = ())
                 tokens = len(cmd.samples) * RESPONSE_MEDIAN
                 start = serial(cmd.worker, now, tokens / TRAIN_TOKENS_PER_S)
                 later(busy[cmd.worker], "step", cmd.worker, cmd.step, tokens, start - free_since[cmd.worker])
-            elif isinstance(cmd, Sync):
+            elif isinstance(cmd, SyncWeights):
                 serial(cmd.worker, now, SYNC_S)
                 later(busy[cmd.worker], "sync", cmd.worker, cmd.version)
-            elif isinstance(cmd, Checkpoint):
+            elif isinstance(cmd, FlushTrajectories):
                 serial(cmd.worker, now, CHECKPOINT_S)
                 later(busy[cmd.worker], "flushed", cmd.worker, cmd.tag)
-            elif isinstance(cmd, SaveCheckpoint):
+            elif isinstance(cmd, WriteCheckpoint):
                 serial(cmd.worker, now, CHECKPOINT_S)
                 later(busy[cmd.worker], "written", cmd.worker, cmd.tag)
             # Drop, Cancel, SetCap, Snapshot: nothing to model

@@ -2,11 +2,11 @@
 
 A checkpoint is due every ``checkpoint_every`` steps and at the run's last step, between steps (no
 batch in training, no weight sync due). Phase 1: every worker but the writer (the first trainer)
-flushes its trajectory shard and reports its manifest (:class:`~reflow_hpc.core.commands.Checkpoint`);
+flushes its trajectory shard and reports its manifest (:class:`~reflow_hpc.core.commands.FlushTrajectories`);
 when the run stops early, every rollout worker also saves the samples it is generating, so that
 nothing finishes after the state is taken. Phase 2: the writer flushes its own shard and writes the
 model, the optimizer, the coordinator's state and every manifest
-(:class:`~reflow_hpc.core.commands.SaveCheckpoint`); with sharded trainer replicas the other ranks of
+(:class:`~reflow_hpc.core.commands.SaveFlushTrajectories`); with sharded trainer replicas the other ranks of
 the writer's replica get the same command and take part in gathering the model and optimizer state.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .commands import Checkpoint, SaveCheckpoint
+from .commands import FlushTrajectories, WriteCheckpoint
 from .index import ReplayIndex
 
 
@@ -39,13 +39,13 @@ class CheckpointRound:
 
     @classmethod
     def begin(cls, step: int, writer: int, state: dict, *, workers: list[int], rollouts: list[int],
-              partials: bool) -> tuple["CheckpointRound", list[Checkpoint]]:
+              partials: bool) -> tuple["CheckpointRound", list[FlushTrajectories]]:
         """The round and its phase-1 commands. With ``partials`` every rollout worker (the writer too, if
         it generates) saves what it is generating in phase 1."""
         tag = checkpoint_tag(step)
         others = [w for w in sorted(set(workers)) if w != writer or (partials and w in rollouts)]
         c = cls(tag, step, writer, state, set(others), partials=partials)
-        return c, [Checkpoint(w, step, tag, partials and w in rollouts) for w in others]
+        return c, [FlushTrajectories(w, step, tag, partials and w in rollouts) for w in others]
 
     def flushed(self, worker: int, tag: str, manifest: dict, partials: list[int]) -> None:
         if tag != self.tag or worker not in self.flushing:
@@ -54,7 +54,7 @@ class CheckpointRound:
         self.manifests[worker] = manifest
         self.saved += list(partials)
 
-    def write(self, replica: list[int], state: Callable[[], dict]) -> list[SaveCheckpoint]:
+    def write(self, replica: list[int], state: Callable[[], dict]) -> list[WriteCheckpoint]:
         """Phase 2, once phase 1 is complete (else nothing): ``replica`` are the ranks of the writer's
         replica; ``state`` the coordinator's state now, taken when the run stops early."""
         if self.flushing or self.writing:
@@ -67,7 +67,7 @@ class CheckpointRound:
             self.state["partials"] = sorted(self.saved)
         self.unwritten = set(replica) | {self.writer}
         manifests = {str(w): m for w, m in sorted(self.manifests.items())}
-        return [SaveCheckpoint(w, self.step, self.tag, self.state, manifests) for w in sorted(self.unwritten)]
+        return [WriteCheckpoint(w, self.step, self.tag, self.state, manifests) for w in sorted(self.unwritten)]
 
     def written(self, worker: int, tag: str, path: str) -> bool:
         """True once the writer and its replica all reported."""
@@ -100,7 +100,7 @@ class Checkpointing:
             and checkpoint_tag(done) != self.tag
 
     def begin(self, step: int, replica: list[int], state: Callable[[], dict], *, workers: list[int],
-              rollouts: list[int], partials: bool) -> list[Checkpoint | SaveCheckpoint]:
+              rollouts: list[int], partials: bool) -> list[FlushTrajectories | WriteCheckpoint]:
         """A round after ``step``, written by ``replica`` (its first rank writes) with ``state()``, the
         coordinator's state; its commands so far."""
         self.round, commands = CheckpointRound.begin(step, replica[0], state(), workers=workers, rollouts=rollouts,
@@ -108,7 +108,7 @@ class Checkpointing:
         self.tag, self.replica, self.state = self.round.tag, replica, state
         return [*commands, *self.progress()]
 
-    def progress(self) -> list[SaveCheckpoint]:
+    def progress(self) -> list[WriteCheckpoint]:
         """Phase 2 of the round in progress once its phase 1 is complete (:meth:`CheckpointRound.write`)."""
         return self.round.write(self.replica, self.state) if self.round is not None else []
 

@@ -73,7 +73,7 @@ class Train:
 
 
 @dataclass(frozen=True)
-class Sync:
+class SyncWeights:
     """Publish weights of ``version``: ``src`` broadcasts to ``group``. A worker outside ``group`` is one
     of the source's sharded replica: it gathers the full weights with ``src``. ``src`` None means
     colocated: the worker loads its own trainer weights into its engine."""
@@ -98,7 +98,7 @@ class Cancel:
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class FlushTrajectories:
     """Phase 1 of a checkpoint: flush your shards and report the manifest. With ``partials`` (the run
     stops early) also save the samples you are generating, to be continued after the resume."""
     worker: int
@@ -108,7 +108,7 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
-class SaveCheckpoint:
+class WriteCheckpoint:
     """Phase 2, to the writer once every other worker flushed: flush your shards too, then write the
     checkpoint with the model, the optimizer, ``state`` (the coordinator's) and every manifest. Also to
     the other workers of a sharded writer's replica: they gather the model and optimizer state with it

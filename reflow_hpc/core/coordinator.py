@@ -18,9 +18,9 @@ index (:mod:`~reflow_hpc.core.index`), the rules of each mode in :mod:`~reflow_h
 may move in which phase in :mod:`~reflow_hpc.core.phase`, and who must still answer in
 :mod:`~reflow_hpc.core.liveness`.
 
-Trainer replicas are ``s_T = trainer_shard`` workers each (FSDP2 parameter-shard groups of
+Trainer replicas are ``s_T = replica_size`` workers each (FSDP2 parameter-shard groups of
 consecutive ranks): each trainer rank trains its own share of a batch; the first replica's whole
-shard group takes part in every weight sync (its first worker broadcasts, the others gather with it),
+parameter-shard group takes part in every weight sync (its first worker broadcasts, the others gather with it),
 snapshot and checkpoint; placements count replicas. Rollout instances are ``s_R = rollout_tp``
 consecutive ranks each (a tensor-parallel engine): the coordinator dispatches to, and hears samples
 from, an instance's first rank, its *leader*; the other ranks follow their leader's engine calls.
@@ -73,7 +73,7 @@ COORDINATOR_STATE_FORMAT = 1
 
 @dataclass(frozen=True)
 class Settings:
-    """What the coordinator needs of the config, as plain values (built by ``reflow_hpc.coordination``)."""
+    """What the coordinator needs of the config, as plain values (built by ``reflow_hpc.assembly``)."""
     rules: ModeRules
     steps: int                   # optimizer steps of the run
     sync_every: int              # steps between weight syncs
@@ -88,7 +88,7 @@ class Settings:
     eval_every: int = 0          # steps between weight snapshots for evaluation (0: only the last step's)
     time_budget_s: float = 0.0   # stop as at a preemption once the run trained this long (0: no budget)
     event_log: bool = True       # record every index event in ``Outputs.log``
-    trainer_shard: int = 1       # s_T: workers per trainer replica (one shard group); trainers are whole replicas
+    replica_size: int = 1        # s_T: workers per trainer replica (its parameter shards); trainers are whole replicas
     rollout_tp: int = 1          # s_R: workers per rollout instance; rollout workers are the instances' first ranks
     check_invariants: bool = False   # check every index invariant after every event (tests; a full scan)
 
@@ -143,8 +143,8 @@ class Coordinator:
         _check_pools(settings, index, trainers, rollouts, world)
         self.settings, self.rules, self.index = settings, settings.rules, index
         workers = list(range(world))
-        self.pool = ElasticPool(workers, trainers, rollouts, shard=settings.trainer_shard, tp=settings.rollout_tp,
-                                planner=settings.placement, schedule=settings.placement_schedule)
+        self.pool = ElasticPool(workers, trainers, rollouts, replica_size=settings.replica_size,
+                                tp=settings.rollout_tp, planner=settings.placement, schedule=settings.placement_schedule)
         self.dispatcher = Dispatcher(workers, GenerationScheduler(
             settings.scheduling, list(rollouts), cap_max=settings.cap_max, kv_budget=settings.kv_budget))
         self.training = TrainingStep(workers)
@@ -386,7 +386,7 @@ class Coordinator:
                 waiting=not self.rules.partial_rollouts and self.index.outstanding > 0):
             return                               # (without partial rollouts it waits for the batch in flight)
         commands, group = self.weight_sync.start(self.index.version, self.pool.trainers, self.pool.rollouts,
-                                                 shard=self.pool.shard, colocated=self.rules.colocated)
+                                                 replica_size=self.pool.replica_size, colocated=self.rules.colocated)
         self._log(now, "sync", group=group)
         self._out.commands += commands
 
@@ -397,15 +397,16 @@ class Coordinator:
         # A run that stops early keeps what is being generated: it is saved in phase 1.
         partials = bool(p.done >= p.steps and p.stopped_early and self.index.outstanding)
         self.phase = Phase.CHECKPOINTING
-        self._out.commands += checkpoints.begin(p.done, pool.trainers[:pool.shard], self.state_dict, partials=partials,
-                                                workers=pool.trainers + pool.rollouts, rollouts=pool.rollouts)
+        self._out.commands += checkpoints.begin(p.done, pool.trainers[:pool.replica_size], self.state_dict,
+                                                partials=partials, workers=pool.trainers + pool.rollouts,
+                                                rollouts=pool.rollouts)
         self._log(now, "checkpoint_begin", step=p.done, tag=checkpoints.tag, partials=partials)
         return True
 
     def _snapshot(self, now: float) -> None:
         if self.progress.snapshot_due():               # the first replica gathers, its first worker saves
             self._out.commands += [Snapshot(w, self.progress.done, self.index.version, self._elapsed(now))
-                                   for w in self.pool.trainers[:self.pool.shard]]
+                                   for w in self.pool.trainers[:self.pool.replica_size]]
 
     def _finish(self, now: float) -> None:
         self.progress.train_seconds = self._elapsed(now)
@@ -444,7 +445,7 @@ _FROM_WORKERS = frozenset(ev.WORKER_EVENTS)
 
 def _check_pools(settings: Settings, index: ReplayIndex, trainers: list[int], rollouts: list[int],
                  world: int) -> None:
-    rules, s, tp, ranks = settings.rules, settings.trainer_shard, settings.rollout_tp, list(range(world))
+    rules, s, tp, ranks = settings.rules, settings.replica_size, settings.rollout_tp, list(range(world))
     if not trainers or not rollouts:
         raise ValueError("the coordinator needs at least one trainer and one rollout worker")
     if rules.colocated and (sorted(trainers) != ranks or sorted(rollouts) != ranks[::tp]):

@@ -1,13 +1,15 @@
 """The elastic pool (split modes): which workers train and which generate.
 
 Trainers are the first ``n_T·s_T`` ranks (whole replicas of ``s_T`` parameter shards), rollout instances
-the rest (whole instances of ``s_R`` ranks, each known by its first rank, the rollout worker). After each step the placement planner (:mod:`reflow_hpc.core.placement`) or a fixed schedule
-(``placement_schedule``: after step k, n replicas) may ask for another ``n_T``; the switch happens at
-the next sync point, and moves whole replicas and whole instances. Every worker gets a :class:`~reflow_hpc.core.commands.Switch`; a worker that leaves
-rollout hands its in-flight samples over, and they are re-dispatched to the remaining rollout workers
-once every worker switched (partial tokens and versions intact); a joining replica's i-th rank receives
-parameters and optimizer state from the i-th rank (the same shard) of an existing replica, the
-replicas taken in turn; the weight sync that follows gives the new rollout workers the current weights.
+the rest (whole instances of ``s_R`` ranks, each known by its first rank, the rollout worker). After each
+step the placement planner (:mod:`reflow_hpc.core.placement`) or a fixed schedule (``placement_schedule``:
+after step k, n replicas) may ask for another ``n_T``; the switch happens at the next sync point, and
+moves whole replicas and whole instances. Every worker gets a :class:`~reflow_hpc.core.commands.Switch`; a
+worker that leaves rollout hands its in-flight samples over, and they are re-dispatched to the remaining
+rollout workers once every worker switched (partial tokens and versions intact); a joining replica's i-th
+rank receives parameters and optimizer state from the i-th rank (the same shard) of an existing replica,
+the replicas taken in turn; the weight sync that follows gives the new rollout workers the current
+weights.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from .scheduling import GenerationScheduler
 
 
 class ElasticPool:
-    def __init__(self, workers: list[int], trainers: list[int], rollouts: list[int], *, shard: int, tp: int = 1,
-                 planner: PlacementSettings | None, schedule: tuple[tuple[int, int], ...]):
+    def __init__(self, workers: list[int], trainers: list[int], rollouts: list[int], *, replica_size: int,
+                 tp: int = 1, planner: PlacementSettings | None, schedule: tuple[tuple[int, int], ...]):
         self.workers, self.trainers, self.rollouts = workers, list(trainers), list(rollouts)
-        self.shard, self.tp = shard, tp
+        self.replica_size, self.tp = replica_size, tp
         self.planner = PlacementPlanner(planner, self.replicas) if planner else None
         self.schedule = schedule
         self.pending: int | None = None                     # trainer replicas to switch to at the next sync point
@@ -39,7 +41,7 @@ class ElasticPool:
     @property
     def replicas(self) -> int:
         """n_T: trainer replicas in force."""
-        return len(self.trainers) // self.shard
+        return len(self.trainers) // self.replica_size
 
     def feasible(self) -> tuple[int, ...]:
         """Trainer replica counts the pool may take (workers prepare a process group for each)."""
@@ -57,7 +59,7 @@ class ElasticPool:
                     "trainer" if w in self.trainers else "rollout") for w in self.workers}
 
     def set_replicas(self, n_replicas: int, generation: GenerationScheduler) -> None:
-        n = n_replicas * self.shard
+        n = n_replicas * self.replica_size
         self.trainers, self.rollouts = self.workers[:n], self.workers[n::self.tp]
         for w in self.workers:
             if w in self.rollouts:
@@ -102,7 +104,7 @@ class ElasticPool:
         self.before = (old_t, old_r)
         self.set_replicas(n_t, generation)
         joining = [w for w in self.trainers if w not in old_t]
-        s, old_n = self.shard, len(old_t) // self.shard
+        s, old_n = self.replica_size, len(old_t) // self.replica_size
         transfers = tuple((old_t[(i // s) % old_n * s + i % s], w) for i, w in enumerate(joining))
         self.switching = set(self.workers)
         self.started_at = now

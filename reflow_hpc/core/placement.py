@@ -77,7 +77,7 @@ from dataclasses import dataclass
 class PlacementSettings:
     elastic: bool = True
     workers: int = 4                 # W
-    trainer_shard: int = 1           # s_T
+    replica_size: int = 1           # s_T
     rollout_tp: int = 1              # s_R
     min_trainers: int = 1
     min_rollouts: int = 1
@@ -125,14 +125,14 @@ class PlacementPlanner:
         """Trainer replica counts n_T of every feasible placement."""
         s = self.s
         out = []
-        for n_t in range(s.min_trainers, s.workers // s.trainer_shard + 1):
-            rest = s.workers - n_t * s.trainer_shard
+        for n_t in range(s.min_trainers, s.workers // s.replica_size + 1):
+            rest = s.workers - n_t * s.replica_size
             if rest >= 0 and rest % s.rollout_tp == 0 and rest // s.rollout_tp >= s.min_rollouts:
                 out.append(n_t)
         return out
 
     def rollouts(self, n_t: int) -> int:
-        return (self.s.workers - n_t * self.s.trainer_shard) // self.s.rollout_tp
+        return (self.s.workers - n_t * self.s.replica_size) // self.s.rollout_tp
 
     # -- the window ---------------------------------------------------------------------------
 

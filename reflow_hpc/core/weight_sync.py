@@ -3,8 +3,8 @@
 A sync falls due every ``sync_every`` steps, at the run's last step, and at an early stop whose
 weights must match the checkpoint's version. It starts once no batch is in training (and, in a mode
 without partial rollouts, once nothing is being generated); it publishes the trainer's current
-version. Split pools: the first trainer broadcasts to every rollout worker (:class:`~reflow_hpc.core.commands.Sync`
-with ``src``); the other ranks of its sharded replica gather the full weights with it. Colocated
+version. Split pools: the first trainer broadcasts to every rollout worker
+(:class:`~reflow_hpc.core.commands.SyncWeights` with ``src``); the other ranks of its sharded replica gather the full weights with it. Colocated
 (mode ``sync``): each worker loads its own trainer's weights into its engine (``src`` None).
 
 The round ends when every member reported. In a streaming mode the trainer that sent the weights may
@@ -14,7 +14,7 @@ published, not the current one.
 
 from __future__ import annotations
 
-from .commands import Sync
+from .commands import SyncWeights
 
 
 class WeightSyncRound:
@@ -38,20 +38,20 @@ class WeightSyncRound:
         """A sync is due, none is in flight, and nothing else makes it wait."""
         return self.due and not self.members and not waiting
 
-    def start(self, version: int, trainers: list[int], rollouts: list[int], *, shard: int,
-              colocated: bool) -> tuple[list[Sync], list[int]]:
+    def start(self, version: int, trainers: list[int], rollouts: list[int], *, replica_size: int,
+              colocated: bool) -> tuple[list[SyncWeights], list[int]]:
         """The commands of a sync of ``version``, and its group (for the event log)."""
         self.due = False
         self.version = version
         self.slowest = 0.0
         if colocated:
             self.members = set(rollouts)
-            return [Sync(w, version, None, (w,)) for w in rollouts], list(rollouts)
+            return [SyncWeights(w, version, None, (w,)) for w in rollouts], list(rollouts)
         src = trainers[0]
         group = (src, *rollouts)
         # The other workers of the source's replica gather its full weights with it (sharded replicas).
-        self.members = set(group) | set(trainers[:shard])
-        return [Sync(w, version, src, group) for w in (*trainers[1:shard], *group)], list(group)
+        self.members = set(group) | set(trainers[:replica_size])
+        return [SyncWeights(w, version, src, group) for w in (*trainers[1:replica_size], *group)], list(group)
 
     def loaded(self, worker: int, version: int, seconds: float, resumed: int) -> bool:
         """``worker`` reported; True when it was the last member."""

@@ -14,7 +14,8 @@ Tags on the control communicator:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from ..core.events import FinishedSample
 
 TAG_COORDINATOR = 11
 TAG_SERVICE = 12
@@ -85,19 +86,6 @@ class CheckReport:
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
-class FinishedSample:
-    """What the coordinator's index needs of a finished sample (no payload)."""
-    sample_id: int
-    reward: float
-    min_version: int
-    max_version: int
-    loss_tokens: int
-    finish_reason: str              # how generation ended: stop | length | turns
-    location: Any = None            # [segment, row] of its shard row on the owner
-    total_tokens: int = 0           # prompt + response: its KV footprint, for the generation scheduler
-
-
-@dataclass
 class Ready:
     """A worker is set up; ``inventory`` lists the finished samples it restored from its shards."""
     rank: int
@@ -144,7 +132,7 @@ class StepDone:
 
 
 @dataclass
-class SyncDone:
+class WeightsLoaded:
     rank: int
     version: int
     seconds: float
@@ -153,11 +141,11 @@ class SyncDone:
 
 
 @dataclass
-class ShardsFlushed:
-    """Phase 1 of a checkpoint: the worker flushed its shards."""
+class TrajectoriesFlushed:
+    """Phase 1 of a checkpoint: the worker flushed its trajectory shard."""
     rank: int
     tag: str
-    manifest: dict                  # the worker's shard manifest summary
+    manifest: dict                  # the worker's trajectory shard manifest, summed up
     partials: list[int] = field(default_factory=list)   # in-flight samples it saved (a run stopping early)
 
 

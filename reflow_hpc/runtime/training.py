@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import Config, to_dict
-from ..coordination import coordinator_settings, new_coordinator
+from ..assembly import coordinator_settings, new_coordinator
 from ..core import events as ev
 from ..core.coordinator import Coordinator
 from ..core.index import RecoveredSample
@@ -31,7 +31,7 @@ from ..metrics import MetricsSink, StepMetrics
 from .eventlog import EventWriter
 from .telemetry import step_metrics as gpu_step_metrics
 from .messages import (CheckpointWritten, EngineReport, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished,
-                       ShardsFlushed, StepDone, Switched, SyncDone)
+                       TrajectoriesFlushed, StepDone, Switched, WeightsLoaded)
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
@@ -88,14 +88,12 @@ class TrainingSide:
         self.events_of: dict[type, Callable[[int, Any, float], Any]] = {
             Heartbeat: self._heartbeat,
             Ready: self._ready,
-            SamplesFinished: lambda w, m, now: ev.SamplesFinished(
-                w, now, [ev.FinishedSample(s.sample_id, s.reward, s.min_version, s.max_version, s.loss_tokens,
-                                           s.finish_reason, s.location, s.total_tokens) for s in m.samples],
-                m.idle_s, m.generated_tokens, _load(m.load)),
+            SamplesFinished: lambda w, m, now: ev.SamplesFinished(w, now, m.samples, m.idle_s, m.generated_tokens,
+                                                                  _load(m.load)),
             SamplesFailed: lambda w, m, now: ev.SamplesFailed(w, now, m.sample_ids, m.error),
             StepDone: lambda w, m, now: ev.StepDone(w, now, m.step, m.stats, m.idle_s, m.fetch_s),
-            SyncDone: lambda w, m, now: ev.WeightsLoaded(w, now, m.version, m.seconds, m.resumed),
-            ShardsFlushed: lambda w, m, now: ev.TrajectoriesFlushed(w, now, m.tag, m.manifest, m.partials),
+            WeightsLoaded: lambda w, m, now: ev.WeightsLoaded(w, now, m.version, m.seconds, m.resumed),
+            TrajectoriesFlushed: lambda w, m, now: ev.TrajectoriesFlushed(w, now, m.tag, m.manifest, m.partials),
             CheckpointWritten: lambda w, m, now: ev.CheckpointWritten(w, now, m.tag, m.path),
             Switched: lambda w, m, now: ev.Switched(w, now, m.handed_off, m.seconds),
         }

@@ -16,7 +16,7 @@ and, whenever it has requests in flight, steps the engine between them:
 - ``Dispatch`` → requests into the engine; finished samples go to the store (memory + shard) and
   their metadata to the coordinator.
 - ``Train`` → fetch payloads from their owners, one optimizer step, ``StepDone``.
-- ``Sync`` → source: broadcast the weights in buckets; the other workers of its sharded replica:
+- ``SyncWeights`` → source: broadcast the weights in buckets; the other workers of its sharded replica:
   gather them with it; rollout: hold in-flight requests, load the weights, resume them (partial
   rollout); colocated: load the worker's own trainer weights (gathered over its shard group).
 - ``Switch`` → the pools change: leaving rollout, hand the samples in flight over (served to whoever
@@ -24,7 +24,7 @@ and, whenever it has requests in flight, steps the engine between them:
   state (sharded: this rank's shards) from the worker named in the transfers; leaving training,
   wake the engine (the next sync brings the weights). ``Resume`` → fetch partial samples from the
   worker that handed them over and continue them. ``SetCap`` → the engine's concurrency cap.
-- ``Drop`` / ``Cancel`` → free payloads / stop samples that ended; ``Checkpoint`` / ``SaveCheckpoint``
+- ``Drop`` / ``Cancel`` → free payloads / stop samples that ended; ``FlushTrajectories`` / ``WriteCheckpoint``
   → flush shards / write the checkpoint; ``Snapshot`` → save the trainer's weights for evaluation
   after the run (a sharded replica gathers both to its first worker, which writes); ``Stop`` →
   close the store, copy the shards into the run directory, shut down.
@@ -47,12 +47,12 @@ from typing import Any, Callable
 
 from ..comm.mpi import RankTimeout
 from ..config import to_dict
-from ..core.commands import (Cancel, Checkpoint, Dispatch, Drop, Resume, SaveCheckpoint, SetCap, Setup, Snapshot,
-                             Switch, Sync, Train)
+from ..core.commands import (Cancel, Dispatch, Drop, FlushTrajectories, Resume, SetCap, Setup, Snapshot, Switch,
+                             SyncWeights, Train, WriteCheckpoint)
 from ..core.modes import rules
 from .context import Runtime
 from .messages import (CheckpointWritten, EngineReport, FinishedSample, Heartbeat, Ready, SamplesFailed,
-                       SamplesFinished, ShardsFlushed, StepDone, Stop, Switched, SyncDone)
+                       SamplesFinished, TrajectoriesFlushed, StepDone, Stop, Switched, WeightsLoaded)
 
 # A worker with nothing to generate blocks on its inbox this long at a time. A command wakes it at
 # once, so the value only bounds how often it checks that the coordinator is still heard from.
@@ -92,9 +92,9 @@ class Worker:
         self.rules = rules(self.cfg.reflow.mode)
         self.trainers: tuple[int, ...] = ()
         self.rollouts: tuple[int, ...] = ()
-        self.shard = self.cfg.resources.trainer_shard_size   # s_T: workers per trainer replica
+        self.replica_size = self.cfg.resources.trainer_shard_size   # s_T: workers per trainer replica
         self.tp = self.cfg.resources.rollout_tp_size         # s_R: workers per rollout instance
-        self.follower: Any = None                             # FollowerLink: a tensor-parallel instance's non-first rank
+        self.follower: Any = None             # FollowerLink: on a tensor-parallel instance's non-first rank
         self.dims: Any = None                                 # ParallelDims: the groups of every split, as data
         self.groups: Any = None                               # ProcessGroups: this rank's, by name
         self.wsyncs: dict[int, Any] = {}                    # trainer replicas -> weight-sync endpoint
@@ -105,8 +105,9 @@ class Worker:
         self.trainer_idle_since = time.monotonic()
         self.stopped = False
         self.handlers: dict[type, Callable[[Any], None]] = {
-            Dispatch: self._dispatch, Train: self._train, Sync: self._sync, Drop: self._drop, Cancel: self._cancel,
-            Checkpoint: self._flush_for_checkpoint, SaveCheckpoint: self._save_checkpoint, Snapshot: self._snapshot,
+            Dispatch: self._dispatch, Train: self._train, SyncWeights: self._sync_weights, Drop: self._drop,
+            Cancel: self._cancel, FlushTrajectories: self._flush_trajectories, WriteCheckpoint: self._write_checkpoint,
+            Snapshot: self._snapshot,
             Switch: self._switch, Resume: self._resume, SetCap: self._set_cap, Stop: self._stop,
         }
 
@@ -125,8 +126,8 @@ class Worker:
                            timeout_s=cfg.run.timeout_s, master_addr=cfg.run.master_addr)
         # Every rank creates every group of every split the pool may take, in the same order
         # (torch.distributed requires it), so that a switch needs no collective.
-        n_t = len(msg.trainers) // self.shard
-        self.dims = ParallelDims(world=self.rt.size, shard=self.shard, tp=self.tp,
+        n_t = len(msg.trainers) // self.replica_size
+        self.dims = ParallelDims(world=self.rt.size, shard=self.replica_size, tp=self.tp,
                                  replicas=(n_t,) if msg.colocated else (n_t, *msg.placements),
                                  colocated=msg.colocated)
         split = self.dims.split(n_t)
@@ -164,7 +165,7 @@ class Worker:
 
     def _n_t(self) -> int:
         """Trainer replicas in force: the split whose groups apply."""
-        return len(self.trainers) // self.shard
+        return len(self.trainers) // self.replica_size
 
     def _weight_sync(self) -> Any:
         """The weight-sync endpoint of the split in force (built on first use: it verifies the specs)."""
@@ -202,20 +203,20 @@ class Worker:
         task = make_task(cfg)
         self.runner = EpisodeRunner(self.engine, task, self.tokenizer, sampling_params(cfg.rollout), owner=self.rank,
                                     chat_template=cfg.task.chat_template)
-        shard_dir = Path(self.rt.topology.scratch) / "shards"
-        existing = shard_dir.is_dir() and any(shard_dir.iterdir())
+        trajectory_dir = Path(self.rt.topology.scratch) / "shards"
+        existing = trajectory_dir.is_dir() and any(trajectory_dir.iterdir())
         collected = cfg.run_dir / "shards" / f"rank{self.rank:05d}"
         if msg.resume_from and not existing and collected.is_dir():
             # Resumed on another node (node-local scratch is empty): start from the copy the previous
             # process set left in the run directory when it stopped (storage.collect).
-            shutil.copytree(collected, shard_dir, dirs_exist_ok=True)
+            shutil.copytree(collected, trajectory_dir, dirs_exist_ok=True)
             existing = True
         if existing and not msg.resume_from:
             # A fresh run must not mix with an old run's rows: keep them, aside, for analysis.
-            aside = shard_dir.with_name(f"shards.old-{int(time.time())}")
-            shard_dir.rename(aside)
+            aside = trajectory_dir.with_name(f"shards.old-{int(time.time())}")
+            trajectory_dir.rename(aside)
             existing = False
-        self.store = SampleStore(shard_dir, self.rank, cfg.storage, resume=existing)
+        self.store = SampleStore(trajectory_dir, self.rank, cfg.storage, resume=existing)
         self.holdings = Holdings(self.store)
         server = FetchServer(self.rt.data_comm, self.holdings, send_timeout_s=cfg.run.timeout_s)
         self.rt.service.add_poller(server.poll)
@@ -382,7 +383,7 @@ class Worker:
                                        f"{self.rules.mode} does not allow (δ = {self.cfg.reflow.delta})")
         return lo, hi
 
-    def _sync(self, cmd: Sync) -> None:
+    def _sync_weights(self, cmd: SyncWeights) -> None:
         t0 = time.monotonic()
         nbytes, resumed = 0, 0
         if cmd.src is None:                                  # colocated: our own trainer's weights
@@ -398,7 +399,7 @@ class Worker:
             self.engine.load_weights(wsync.receive(), cmd.version)
             self.runner.resume()
             nbytes = wsync.bytes
-        self.rt.send(SyncDone(self.rank, cmd.version, time.monotonic() - t0, nbytes, resumed))
+        self.rt.send(WeightsLoaded(self.rank, cmd.version, time.monotonic() - t0, nbytes, resumed))
         self.trainer_idle_since = time.monotonic()        # broadcasting is work, not waiting
 
     def _switch(self, cmd: Switch) -> None:
@@ -442,7 +443,7 @@ class Worker:
     def _set_cap(self, cmd: SetCap) -> None:
         self.engine.set_concurrency_cap(cmd.cap)
 
-    def _flush_for_checkpoint(self, cmd: Checkpoint) -> None:
+    def _flush_trajectories(self, cmd: FlushTrajectories) -> None:
         saved: list[int] = []
         if cmd.partials and self.rank in self.rollouts:      # the run stops early: keep what is in flight
             from ..storage.partials import save_partials
@@ -451,7 +452,7 @@ class Worker:
             save_partials(staging_dir(self.cfg.checkpoint_dir, cmd.step, "partials") / f"rank{self.rank}.npz",
                           partials)
             saved = [t.sample_id for t in partials]
-        self.rt.send(ShardsFlushed(self.rank, cmd.tag, self._flush_manifest(), saved))
+        self.rt.send(TrajectoriesFlushed(self.rank, cmd.tag, self._flush_manifest(), saved))
 
     def _flush_manifest(self) -> dict:
         if self.store is None:
@@ -461,7 +462,7 @@ class Worker:
         return {"directory": str(self.store.directory), **{k: v for k, v in stats.items()
                                                           if isinstance(v, (int, float, str))}}
 
-    def _save_checkpoint(self, cmd: SaveCheckpoint) -> None:
+    def _write_checkpoint(self, cmd: WriteCheckpoint) -> None:
         from ..train.checkpoint import save_checkpoint, staging_dir
         # A sharded replica gathers the model and the optimizer state to its first worker, the writer;
         # the others take part in the gathers and report that they did.

@@ -5,8 +5,8 @@ loop of ``runtime/training.py`` and ``runtime/worker.py`` with simulated time in
 Workers (as ``runtime/worker.py``)
     Every worker is hybrid (an engine and a trainer); its role is what ``Setup`` and ``Switch`` say.
     It takes its commands in order. ``Dispatch``, ``Resume``, ``SetCap``, ``Drop`` and ``Cancel`` take
-    no time; ``Train``, ``Sync``, ``Switch``, ``Checkpoint`` and ``SaveCheckpoint`` block the worker
-    until they end, and its engine makes no progress meanwhile. ``Train`` and a split-pool ``Sync``
+    no time; ``Train``, ``SyncWeights``, ``Switch``, ``FlushTrajectories`` and ``WriteCheckpoint`` block the worker
+    until they end, and its engine makes no progress meanwhile. ``Train`` and a split-pool ``SyncWeights``
     are collectives: they start when every member has reached them (the replicas' gradient
     all-reduce; the weight broadcast) and end together. A command reaches its worker, and a report
     (a finished sample, a step, a sync, a switch, ready) the coordinator, ``sim.message_latency_s``
@@ -24,7 +24,7 @@ Engines (processor sharing: no event per token)
     full — then the newest request is preempted (vLLM's recompute preemption) and re-prefills its
     context when admitted again. Admitting requests stalls decoding for their prefill time.
 Versions and partial rollouts
-    An engine generates with the version of the last sync it completed. At a split-pool ``Sync`` the
+    An engine generates with the version of the last sync it completed. At a split-pool ``SyncWeights`` the
     in-flight requests are held (their tokens so far belong to the old version), the weights load, and
     the requests resume under the new version after re-prefilling their contexts. A worker that leaves
     rollout at a ``Switch`` hands its in-flight requests over; the ``Resume`` that follows moves them,
@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Final
 
 from ..core import events as ev
-from ..core.commands import (Cancel, Checkpoint, Dispatch, Drop, Resume, SaveCheckpoint, SetCap, Setup, Snapshot,
-                             Switch, Sync, Train)
+from ..core.commands import (Cancel, Dispatch, Drop, FlushTrajectories, Resume, SetCap, Setup, Snapshot, Switch,
+                             SyncWeights, Train, WriteCheckpoint)
 from ..core.coordinator import Coordinator, Settings
 from ..core.modes import ModeRules
 from ..core.phase import Phase
@@ -133,7 +133,7 @@ class Collective:
     arrived: dict = field(default_factory=dict)     # worker -> (command, arrival time, trainer idle)
 
 
-class Worker:
+class SimWorker:
     """A simulated worker: its command inbox, its engine and its clocks."""
 
     def __init__(self, wid: int, sim: "Simulation", *, trainer: bool, rollout: bool):
@@ -453,8 +453,8 @@ class Simulation:
             raise ValueError(f"sim: an engine of {place.tp} GPU(s) holds {longest:.0f} KV tokens, fewer than one "
                              f"response of rollout.max_new_tokens = {cfg.rollout.max_new_tokens}")
         trainers, rollouts = set(place.trainers), set(place.rollouts)
-        self.workers: dict[int, Worker] = {
-            w: Worker(w, self, trainer=w in trainers, rollout=w in rollouts) for w in range(place.world)}
+        self.workers: dict[int, SimWorker] = {
+            w: SimWorker(w, self, trainer=w in trainers, rollout=w in rollouts) for w in range(place.world)}
         self.samples: dict[int, Request] = {}          # finished samples whose payload is held
         self.collectives: dict[tuple, Collective] = {}
         self.collectives_done: set[tuple] = set()        # syncs whose broadcast ended
@@ -596,7 +596,7 @@ class Simulation:
             if w.busy is None and w.inbox:
                 self.pump(w)
 
-    def pump(self, w: Worker) -> None:
+    def pump(self, w: SimWorker) -> None:
         """Carry out ``w``'s commands in order until one blocks."""
         now = self.now
         changed = False
@@ -620,14 +620,14 @@ class Simulation:
                     self.samples.pop(sid, None)
             elif t is Train:
                 self.train(w, cmd)
-            elif t is Sync:
-                self.sync(w, cmd)
+            elif t is SyncWeights:
+                self.sync_weights(w, cmd)
             elif t is Switch:
                 self.switch(w, cmd)
-            elif t is Checkpoint:
+            elif t is FlushTrajectories:
                 w.block("checkpoint", now)
                 self.push(now + self.cfg.sim.checkpoint_flush_s, _DONE, w.wid, cmd)
-            elif t is SaveCheckpoint:
+            elif t is WriteCheckpoint:
                 w.block("checkpoint", now)
                 self.push(now + self.cfg.sim.checkpoint_write_s, _DONE, w.wid, cmd)
             elif t is Setup:
@@ -641,7 +641,7 @@ class Simulation:
             w.schedule(now)
             w.update_idle(now)
 
-    def dispatch(self, w: Worker, cmd: Dispatch) -> None:
+    def dispatch(self, w: SimWorker, cmd: Dispatch) -> None:
         groups: dict[int, list] = {}
         for s in cmd.samples:
             groups.setdefault(s.group_id, []).append(s)
@@ -651,7 +651,7 @@ class Simulation:
             for i, (s, shape) in enumerate(zip(samples, shapes)):
                 w.enqueue(Request(s.sample_id, s.group_id, s.prompt_id, shape, prompt_cached=i > 0), now)
 
-    def resume(self, w: Worker, cmd: Resume) -> None:
+    def resume(self, w: SimWorker, cmd: Resume) -> None:
         """Continue samples another worker handed over: fetched with their tokens and versions."""
         source = self.workers[cmd.source]
         for s in cmd.samples:
@@ -659,7 +659,7 @@ class Simulation:
             r.reprefill = r.generated > 0 or r.obs > 0
             w.enqueue(r, self.now)
 
-    def cancel(self, w: Worker, cmd: Cancel) -> None:
+    def cancel(self, w: SimWorker, cmd: Cancel) -> None:
         for sid in cmd.sample_ids:
             w.holdings.pop(sid, None)
             r = w.live.pop(sid, None)
@@ -671,7 +671,7 @@ class Simulation:
                 w.queue.remove(r)
             r.state = DONE
 
-    def finished(self, w: Worker, done: list[Request], now: float) -> None:
+    def finished(self, w: SimWorker, done: list[Request], now: float) -> None:
         """Samples ended on ``w``: report them as ``runtime/worker.py`` does (one message)."""
         cap = self.max_new_tokens
         if self.on_finished is not None:
@@ -694,7 +694,7 @@ class Simulation:
             self.deliver(self.handle(ev.SamplesFinished(wid, t, samples, idle, generated, load)))
         self.send(arrive)
 
-    def load_report(self, w: Worker, now: float) -> EngineLoad | None:
+    def load_report(self, w: SimWorker, now: float) -> EngineLoad | None:
         """``w``'s engine load for the generation scheduler, when it can act on it (else None)."""
         if now - w.load_reported_at < self.load_interval:
             return None
@@ -706,7 +706,7 @@ class Simulation:
     # Collectives and other blocking commands
     # ------------------------------------------------------------------------------------------
 
-    def train(self, w: Worker, cmd: Train) -> None:
+    def train(self, w: SimWorker, cmd: Train) -> None:
         now = self.now
         idle = now - w.trainer_idle_since
         w.block("train", now)
@@ -765,7 +765,7 @@ class Simulation:
             self.on_train(cmd, [[tuple(seg) for seg in r.segments] for r in share], self.now)
         return lo, hi
 
-    def sync(self, w: Worker, cmd: Sync) -> None:
+    def sync_weights(self, w: SimWorker, cmd: SyncWeights) -> None:
         now = self.now
         w.block("sync", now)
         if cmd.src is None:                           # colocated: load our own trainer's weights
@@ -792,7 +792,7 @@ class Simulation:
         for wid, (c_, _, _) in col.arrived.items():
             self.push(now + duration, _DONE, wid, ("sync", c_, duration))
 
-    def switch(self, w: Worker, cmd: Switch) -> None:
+    def switch(self, w: SimWorker, cmd: Switch) -> None:
         """The pools change (``runtime/worker.py`` ``_switch``): hand over, park or wake, transfer state."""
         now = self.now
         w.block("switch", now)
@@ -813,18 +813,18 @@ class Simulation:
         self.switch_seconds.append(seconds)
         self.push(now + seconds, _DONE, w.wid, ("switch", cmd, seconds, handed))
 
-    def done(self, w: Worker, payload: Any, now: float) -> None:
+    def done(self, w: SimWorker, payload: Any, now: float) -> None:
         """A blocking command of ``w`` ended: report it, then carry on with its inbox."""
         wid = w.wid
         report: Callable[[float], Any]
-        if isinstance(payload, Checkpoint):
+        if isinstance(payload, FlushTrajectories):
             saved: list[int] = []
             if payload.partials and w.is_rollout:     # the run stops early: what is in flight is saved
                 saved = w.hand_off(now)
                 w.holdings.clear()
             w.unblock(now)
             report = lambda t: ev.TrajectoriesFlushed(wid, t, payload.tag, {"rank": wid}, saved)  # noqa: E731
-        elif isinstance(payload, SaveCheckpoint):
+        elif isinstance(payload, WriteCheckpoint):
             w.unblock(now)
             report = lambda t: ev.CheckpointWritten(wid, t, payload.tag, f"sim://{payload.tag}")  # noqa: E731
         elif payload[0] == "train":

@@ -15,7 +15,7 @@ replica of ``u`` GPUs.
   ``W − n_T`` generate. The baselines keep this split; mode ``reflow`` may move workers at sync points
   (``scheduler.elastic``, the planner of :mod:`reflow_hpc.core.placement`).
 
-The coordinator's settings come from :mod:`reflow_hpc.coordination`, as the MPI runtime's do; where the
+The coordinator's settings come from :mod:`reflow_hpc.assembly`, as the MPI runtime's do; where the
 simulated placement differs — a worker's slots are ``m × rollout.max_concurrency``, its KV budget
 the pooled engine's, and the elastic pool's unit is one worker — it says so below. The simulator
 keeps no event log (``run.event_log``): a million-sample run would hold every event in memory.
@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError, load
-from ..coordination import coordinator_settings, new_coordinator
+from ..assembly import coordinator_settings, new_coordinator
 from ..core.coordinator import Coordinator, Settings
 from ..core.modes import MODES, rules
 from .costs import Costs
@@ -150,7 +150,7 @@ def build_coordinator(cfg: Config, place: Placement, costs: Costs | None = None,
     ``check_invariants``: the index checks every invariant after every event (tests)."""
     costs = costs or Costs.from_config(cfg)
     kv_budget = int(place.engines * costs.kv_capacity(place.tp)) if cfg.sim.gpus else cfg.rollout.kv_budget_tokens
-    settings = coordinator_settings(cfg, workers=place.world, trainer_shard=1, rollout_tp=1,
+    settings = coordinator_settings(cfg, workers=place.world, replica_size=1, rollout_tp=1,
                                     cap_max=cfg.rollout.max_concurrency * place.engines, kv_budget=kv_budget,
                                     event_log=False)
     settings = dataclasses.replace(settings, check_invariants=check_invariants)

@@ -17,9 +17,9 @@ A sample's tokens, log-probs, lengths and reward are a pure function of (seed, s
 versions follow from those and the per-chunk versions the producer reports over the control
 channel, so the trainer regenerates every array and compares what came over the data plane.
 
-The rules are checked per event (`Coordinator.on_finished`, `releases`), per batch
-(`Coordinator.train`), on the shards after shutdown (`check_shards`) and over the run
-(`Coordinator.finish`); a broken one prints a `FAIL` line with the numbers. Rank 0's last line is `SUMMARY {json}`; the exit code is 0 only when nothing failed.
+The rules are checked per event (`IndexDriver.on_finished`, `releases`), per batch
+(`IndexDriver.train`), on the shards after shutdown (`check_shards`) and over the run
+(`IndexDriver.finish`); a broken one prints a `FAIL` line with the numbers. Rank 0's last line is `SUMMARY {json}`; the exit code is 0 only when nothing failed.
 An error that stops a rank (a timeout names the rank and the operation) aborts the whole job.
 """
 
@@ -265,9 +265,9 @@ def producer(args, data, ctrl: Channel, service_comm) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------- coordinator
+# ---------------------------------------------------------------------------------- the index driver
 
-class Coordinator:
+class IndexDriver:
     """Rank 0: the index, dispatch, batches, fetch and the checks."""
 
     def __init__(self, args, data, ctrl: Channel):
@@ -673,7 +673,7 @@ def main() -> int:
     code = 0
     try:
         if rank == 0:
-            coord = Coordinator(args, data, ctrl)
+            coord = IndexDriver(args, data, ctrl)
             try:
                 coord.run()
             finally:

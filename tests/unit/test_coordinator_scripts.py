@@ -38,10 +38,10 @@ def short(cmd) -> tuple:
     kind, w = type(cmd).__name__, cmd.worker
     ids = tuple(s.sample_id for s in getattr(cmd, "samples", ()))
     return {"Dispatch": (kind, w, ids), "Train": (kind, w, getattr(cmd, "step", None), ids),
-            "Sync": (kind, w, getattr(cmd, "version", None), getattr(cmd, "src", None)),
+            "SyncWeights": (kind, w, getattr(cmd, "version", None), getattr(cmd, "src", None)),
             "Drop": (kind, w, getattr(cmd, "sample_ids", None)), "Cancel": (kind, w, getattr(cmd, "sample_ids", None)),
-            "Checkpoint": (kind, w, getattr(cmd, "tag", None), getattr(cmd, "partials", None)),
-            "SaveCheckpoint": (kind, w, getattr(cmd, "tag", None)), "Snapshot": (kind, w, getattr(cmd, "step", None)),
+            "FlushTrajectories": (kind, w, getattr(cmd, "tag", None), getattr(cmd, "partials", None)),
+            "WriteCheckpoint": (kind, w, getattr(cmd, "tag", None)), "Snapshot": (kind, w, getattr(cmd, "step", None)),
             "Switch": (kind, w, getattr(cmd, "trainers", None), getattr(cmd, "transfers", None)),
             "Resume": (kind, w, ids, getattr(cmd, "source", None)), "SetCap": (kind, w, getattr(cmd, "cap", None)),
             }.get(kind, (kind, w))
@@ -84,7 +84,7 @@ def test_a_streaming_run_from_dispatch_to_its_final_checkpoint():
          {"log": ["finish", "finish", "compose", "dispatch", "dispatch"]}),
         # The step ends: its samples end as trained (σ = 0), the weights of version 1 go to every rollout worker.
         (ev.StepDone(0, 2.0, 0, {}), "running",
-         [("Drop", 1, (0, 1)), ("Drop", 2, (2, 3)), ("Sync", 0, 1, 0), ("Sync", 1, 1, 0), ("Sync", 2, 1, 0)],
+         [("Drop", 1, (0, 1)), ("Drop", 2, (2, 3)), ("SyncWeights", 0, 1, 0), ("SyncWeights", 1, 1, 0), ("SyncWeights", 2, 1, 0)],
          {"log": ["train", "end", "end", "end", "end", "sync"], "steps": [0]}),
         (ev.WeightsLoaded(0, 2.1, 1), "running", []),
         (ev.WeightsLoaded(1, 2.1, 1), "running", []),
@@ -94,14 +94,14 @@ def test_a_streaming_run_from_dispatch_to_its_final_checkpoint():
          [("Train", 0, 1, (4, 5, 6, 7)), ("Dispatch", 1, (8, 9)), ("Dispatch", 2, (10, 11))]),
         # The last step: the trained policy is snapshotted, synced, and the final checkpoint begins.
         (ev.StepDone(0, 4.0, 1, {}), "checkpointing",
-         [("Drop", 1, (4, 5)), ("Drop", 2, (6, 7)), ("Snapshot", 0, 2), ("Sync", 0, 2, 0), ("Sync", 1, 2, 0),
-          ("Sync", 2, 2, 0), ("Checkpoint", 1, "step_000002", False), ("Checkpoint", 2, "step_000002", False)]),
+         [("Drop", 1, (4, 5)), ("Drop", 2, (6, 7)), ("Snapshot", 0, 2), ("SyncWeights", 0, 2, 0), ("SyncWeights", 1, 2, 0),
+          ("SyncWeights", 2, 2, 0), ("FlushTrajectories", 1, "step_000002", False), ("FlushTrajectories", 2, "step_000002", False)]),
         (ev.WeightsLoaded(0, 4.1, 2), "checkpointing", []),
         (ev.WeightsLoaded(1, 4.1, 2), "checkpointing", []),
         (ev.WeightsLoaded(2, 4.1, 2), "checkpointing", []),
         (ev.TrajectoriesFlushed(1, 4.2, "step_000002", {}), "checkpointing", []),
         # Phase 2 once every other worker flushed: the writer writes.
-        (ev.TrajectoriesFlushed(2, 4.2, "step_000002", {}), "checkpointing", [("SaveCheckpoint", 0, "step_000002")]),
+        (ev.TrajectoriesFlushed(2, 4.2, "step_000002", {}), "checkpointing", [("WriteCheckpoint", 0, "step_000002")]),
         # Written: the run ends, and what was still being generated is cancelled and accounted as aborted.
         (ev.CheckpointWritten(0, 4.3, "step_000002", "/ckpt"), "finished",
          [("Cancel", 1, (8, 9)), ("Cancel", 2, (10, 11))],
@@ -122,10 +122,10 @@ def test_colocated_sync_generates_then_trains_then_loads():
         (ev.StepDone(0, 2.0, 0, {}), "running", []),
         # Each worker loads its own trainer's weights (no source): nothing else moves until they have.
         (ev.StepDone(1, 2.0, 0, {}), "running",
-         [("Drop", 0, (0, 1)), ("Drop", 1, (2, 3)), ("Snapshot", 0, 1), ("Sync", 0, 1, None), ("Sync", 1, 1, None)]),
+         [("Drop", 0, (0, 1)), ("Drop", 1, (2, 3)), ("Snapshot", 0, 1), ("SyncWeights", 0, 1, None), ("SyncWeights", 1, 1, None)]),
         (ev.WeightsLoaded(0, 2.1, 1), "running", []),
-        (ev.WeightsLoaded(1, 2.1, 1), "checkpointing", [("Checkpoint", 1, "step_000001", False)]),
-        (ev.TrajectoriesFlushed(1, 2.2, "step_000001", {}), "checkpointing", [("SaveCheckpoint", 0, "step_000001")]),
+        (ev.WeightsLoaded(1, 2.1, 1), "checkpointing", [("FlushTrajectories", 1, "step_000001", False)]),
+        (ev.TrajectoriesFlushed(1, 2.2, "step_000001", {}), "checkpointing", [("WriteCheckpoint", 0, "step_000001")]),
         (ev.CheckpointWritten(0, 2.3, "step_000001", "/ckpt"), "finished", []),
     ])
 
@@ -146,7 +146,7 @@ def test_a_role_switch_at_a_sync_point_hands_samples_over():
          {"log": ["train", "switch"]}),
         (ev.Switched(0, 2.5), "switching", []),
         (ev.Switched(1, 2.5, [4, 5], 0.1), "switching", []),
-        (ev.Switched(2, 2.5), "running", [("Sync", 0, 1, 0), ("Sync", 2, 1, 0), ("Resume", 2, (4, 5), 1)],
+        (ev.Switched(2, 2.5), "running", [("SyncWeights", 0, 1, 0), ("SyncWeights", 2, 1, 0), ("Resume", 2, (4, 5), 1)],
          {"log": ["switched", "sync", "resume"]}),
     ])
     assert c.summary()["roles"] == {0: "trainer", 1: "trainer", 2: "rollout"}
@@ -166,14 +166,14 @@ def test_a_stop_finishes_the_step_and_saves_what_is_being_generated():
          {"notices": ["preempted: finishing the current step and checkpointing"]}),
         (ev.Stop(1.25, "preempted"), "running", [], {"notices": []}),     # said once
         (ev.StepDone(0, 2.0, 0, {}), "checkpointing",
-         [("Drop", 1, (0, 1)), ("Drop", 2, (2, 3)), ("Snapshot", 0, 1), ("Sync", 0, 1, 0), ("Sync", 1, 1, 0),
-          ("Sync", 2, 1, 0), ("Checkpoint", 1, "step_000001", True), ("Checkpoint", 2, "step_000001", True)]),
+         [("Drop", 1, (0, 1)), ("Drop", 2, (2, 3)), ("Snapshot", 0, 1), ("SyncWeights", 0, 1, 0), ("SyncWeights", 1, 1, 0),
+          ("SyncWeights", 2, 1, 0), ("FlushTrajectories", 1, "step_000001", True), ("FlushTrajectories", 2, "step_000001", True)]),
         (ev.WeightsLoaded(0, 2.1, 1), "checkpointing", []),
         (ev.WeightsLoaded(1, 2.1, 1), "checkpointing", []),
         (ev.WeightsLoaded(2, 2.1, 1), "checkpointing", []),
         (ev.TrajectoriesFlushed(1, 2.2, "step_000001", {}, [4, 5]), "checkpointing", []),
         (ev.TrajectoriesFlushed(2, 2.2, "step_000001", {}, [6, 7]), "checkpointing",
-         [("SaveCheckpoint", 0, "step_000001")]),
+         [("WriteCheckpoint", 0, "step_000001")]),
         # Nothing is aborted: the resumed run continues the saved samples.
         (ev.CheckpointWritten(0, 2.3, "step_000001", "/ckpt"), "finished", []),
     ])
@@ -195,8 +195,8 @@ def test_a_switch_pending_with_a_checkpoint_due_switches_first():
         (ev.Switched(1, 2.5, [4, 5]), "switching", []),
         # The switch done, the sync starts, and the checkpoint's phase 1 starts beside it.
         (ev.Switched(2, 2.5), "checkpointing",
-         [("Sync", 0, 1, 0), ("Sync", 2, 1, 0), ("Resume", 2, (4, 5), 1), ("Checkpoint", 1, "step_000001", False),
-          ("Checkpoint", 2, "step_000001", False)]),
+         [("SyncWeights", 0, 1, 0), ("SyncWeights", 2, 1, 0), ("Resume", 2, (4, 5), 1), ("FlushTrajectories", 1, "step_000001", False),
+          ("FlushTrajectories", 2, "step_000001", False)]),
     ]
     run(c, script)
 

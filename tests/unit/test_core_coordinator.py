@@ -18,7 +18,8 @@ from hypothesis import given, settings, strategies as st
 
 from reflow_hpc.config import Config
 from reflow_hpc.core import events as ev
-from reflow_hpc.core.commands import Checkpoint, Dispatch, Resume, SaveCheckpoint, Setup, Snapshot, Switch, Sync, Train
+from reflow_hpc.core.commands import (Dispatch, FlushTrajectories, Resume, Setup, Snapshot, Switch, SyncWeights, Train,
+                                      WriteCheckpoint)
 from reflow_hpc.core.coordinator import Coordinator, Settings, Unresponsive
 from reflow_hpc.core.index import build_index
 from reflow_hpc.core.modes import MODES, ModeError, check, rules
@@ -108,11 +109,11 @@ def simulate(mode, *, train_time=1.0, seed=0, **kw):
         elif isinstance(cmd, Train):
             assert rules(mode).colocated or cmd.worker not in rollouts
             assert cmd.samples
-        elif isinstance(cmd, Sync):
+        elif isinstance(cmd, SyncWeights):
             log["syncs"].append((cmd.worker, cmd.version))
         elif isinstance(cmd, Snapshot):
             log["snapshots"].append((cmd.step, cmd.version, cmd.elapsed_s, now))
-        elif isinstance(cmd, SaveCheckpoint):
+        elif isinstance(cmd, WriteCheckpoint):
             log["partials"] = cmd.state.get("partials", [])
         log["max_outstanding"] = max(log["max_outstanding"], index.outstanding)
 
@@ -342,14 +343,14 @@ def test_a_rollout_workers_late_sync_report_after_the_trainer_trained_on_is_acce
             for w, v in late:                         # the rollout worker reports after the step
                 queue += handle(ev.WeightsLoaded(w, now, v, 0.01))
             late = []
-        elif isinstance(cmd, Sync):
+        elif isinstance(cmd, SyncWeights):
             if cmd.worker == cmd.src:
                 queue += handle(ev.WeightsLoaded(cmd.worker, now, cmd.version, 0.01))
             else:
                 rollout_version = cmd.version
                 late.append((cmd.worker, cmd.version))
-        elif isinstance(cmd, Checkpoint):
+        elif isinstance(cmd, FlushTrajectories):
             queue += handle(ev.TrajectoriesFlushed(cmd.worker, now, cmd.tag, {}))
-        elif isinstance(cmd, SaveCheckpoint):
+        elif isinstance(cmd, WriteCheckpoint):
             queue += handle(ev.CheckpointWritten(cmd.worker, now, cmd.tag, "/nowhere"))
     assert c.summary()["steps"] == 4 and reported_late >= 1

@@ -53,8 +53,8 @@ def run(pl, p, t, steps, noise_sd=0.0, seed=0):
 
 def test_feasible_placements_respect_the_shapes():
     assert planner().feasible() == [1, 2, 3, 4, 5, 6, 7]
-    assert planner(workers=8, trainer_shard=2, rollout_tp=2).feasible() == [1, 2, 3]
-    assert planner(workers=8, trainer_shard=2, rollout_tp=2, min_rollouts=2).feasible() == [1, 2]
+    assert planner(workers=8, replica_size=2, rollout_tp=2).feasible() == [1, 2, 3]
+    assert planner(workers=8, replica_size=2, rollout_tp=2, min_rollouts=2).feasible() == [1, 2]
 
 
 def test_generation_bound_moves_a_trainer_to_rollout():

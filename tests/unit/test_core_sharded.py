@@ -1,4 +1,4 @@
-"""The coordinator with sharded trainer replicas (``trainer_shard`` = s_T > 1), driven by the simulator:
+"""The coordinator with sharded trainer replicas (``replica_size`` = s_T > 1), driven by the simulator:
 the pools move whole replicas, a joining worker gets the state of the worker with its shard index,
 and the source replica's whole shard group takes part in every sync, snapshot and checkpoint."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from reflow_hpc.config import Config
-from reflow_hpc.core.commands import SaveCheckpoint, Setup, Snapshot, Switch, Sync, Train
+from reflow_hpc.core.commands import Setup, Snapshot, Switch, SyncWeights, Train, WriteCheckpoint
 from reflow_hpc.core.coordinator import Coordinator, Settings
 from reflow_hpc.core.index import build_index
 from reflow_hpc.core.modes import rules
@@ -45,7 +45,7 @@ def coordinator(mode, *, workers=6, replicas=1, shard=2, steps=6, schedule=(), c
     settings = Settings(rules=rules(mode), steps=steps, sync_every=1, cap_max=16,
                         scheduling=SchedulingSettings(queue=0), checkpoint_every=checkpoint_every, timeout_s=100.0,
                         setup_timeout_s=100.0, eval_every=eval_every, placement_schedule=tuple(schedule),
-                        trainer_shard=shard, check_invariants=True)
+                        replica_size=shard, check_invariants=True)
     c = Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=workers)
     return c, settings, Placement(workers, tuple(trainers), tuple(rollouts), 1, 1, 1, colocated)
 
@@ -88,7 +88,7 @@ def test_switches_move_whole_replicas_and_pair_each_shard_with_its_counterpart()
     # Every sync: rank 0 broadcasts to the rollout workers, rank 1 (its shard group) gathers with it.
     syncs = {}
     for cmd in commands:
-        if isinstance(cmd, Sync):
+        if isinstance(cmd, SyncWeights):
             syncs.setdefault(cmd.version, []).append(cmd)
     for version, cmds in syncs.items():
         workers = {cmd.worker for cmd in cmds}
@@ -97,7 +97,7 @@ def test_switches_move_whole_replicas_and_pair_each_shard_with_its_counterpart()
         assert cmds[0].src == 0
     # Snapshots and checkpoints: the first replica's two workers, rank 0 writes.
     assert {cmd.worker for cmd in commands if isinstance(cmd, Snapshot)} == {0, 1}
-    saves = [cmd.worker for cmd in commands if isinstance(cmd, SaveCheckpoint)]
+    saves = [cmd.worker for cmd in commands if isinstance(cmd, WriteCheckpoint)]
     assert sorted(saves) == [0, 0, 0, 1, 1, 1]
     assert [step for _, step in checkpoints] == [3, 6, 8]
     assert c.state_dict()["trainer_replicas"] == 1
@@ -106,9 +106,10 @@ def test_switches_move_whole_replicas_and_pair_each_shard_with_its_counterpart()
 def test_colocated_sync_mode_with_sharded_replicas_runs_to_completion():
     c, *setup = coordinator("sync", workers=4, shard=2, steps=3)
     commands, _ = simulate(c, *setup)
-    assert c.summary()["phase"] == "finished" and {cmd.worker for cmd in commands if isinstance(cmd, Train)} == {0, 1, 2, 3}
-    assert sorted(cmd.worker for cmd in commands if isinstance(cmd, SaveCheckpoint)) == [0, 1]
-    assert all(cmd.src is None for cmd in commands if isinstance(cmd, Sync))
+    assert c.summary()["phase"] == "finished"
+    assert {cmd.worker for cmd in commands if isinstance(cmd, Train)} == {0, 1, 2, 3}
+    assert sorted(cmd.worker for cmd in commands if isinstance(cmd, WriteCheckpoint)) == [0, 1]
+    assert all(cmd.src is None for cmd in commands if isinstance(cmd, SyncWeights))
 
 
 def test_a_resumed_coordinator_restores_the_replicas_in_force():

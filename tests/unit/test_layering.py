@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "reflow_hpc"
 # The part of the package a module belongs to: its subpackage, or the module itself at the top.
 # For each part, the other parts it may import (its own is always allowed).
 BELOW_RUNTIME = {"core", "comm", "config", "plugins", "trajectory", "envs", "storage", "rollout", "train", "policy",
-                 "metrics", "evaluation", "warmstart", "coordination"}
+                 "metrics", "evaluation", "warmstart", "assembly"}
 ALLOWED = {
     "core": set(),
     "plugins": set(),
@@ -29,8 +29,8 @@ ALLOWED = {
     "metrics": {"core"},
     "evaluation": {"config", "envs", "rollout", "policy", "train", "metrics"},
     "warmstart": {"config", "envs", "evaluation", "policy", "train"},
-    "coordination": {"core", "config"},
-    "sim": {"core", "config", "metrics", "coordination"},
+    "assembly": {"core", "config"},
+    "sim": {"core", "config", "metrics", "assembly"},
     "runtime": BELOW_RUNTIME,
     "postmortem": BELOW_RUNTIME,
     "run": BELOW_RUNTIME | {"runtime", "postmortem"},

@@ -16,14 +16,14 @@ from .core.placement import PlacementSettings
 from .core.scheduling import SchedulingSettings
 
 
-def coordinator_settings(cfg: Config, *, workers: int | None = None, trainer_shard: int | None = None,
+def coordinator_settings(cfg: Config, *, workers: int | None = None, replica_size: int | None = None,
                          rollout_tp: int | None = None, cap_max: int | None = None, kv_budget: int | None = None,
                          event_log: bool | None = None) -> Settings:
     """The coordinator's settings; a driver whose workers are not the config's ranks (the simulator's stand
     for several GPUs each) passes their count, shapes, slots and KV budget."""
     sch, res = cfg.scheduler, cfg.resources
     reflow = cfg.reflow.mode == "reflow"
-    trainer_shard = trainer_shard if trainer_shard is not None else res.trainer_shard_size
+    replica_size = replica_size if replica_size is not None else res.trainer_shard_size
     scheduling = SchedulingSettings(
         adaptive=reflow and sch.adaptive, ema_alpha=sch.ema_alpha, control_interval_s=sch.control_interval_s,
         util_low=sch.util_low, util_high=sch.util_high, preemption_limit=sch.preemption_limit,
@@ -31,7 +31,7 @@ def coordinator_settings(cfg: Config, *, workers: int | None = None, trainer_sha
         queue=sch.queue_samples, initial_tokens=sch.initial_tokens)
     placement = PlacementSettings(
         elastic=True, workers=workers if workers is not None else res.workers,
-        trainer_shard=trainer_shard,
+        replica_size=replica_size,
         rollout_tp=rollout_tp if rollout_tp is not None else res.rollout_tp_size,
         min_trainers=sch.min_trainers, min_rollouts=sch.min_rollouts, batch_size=cfg.trainer.batch_size,
         sigma=cfg.reflow.sigma, ema_alpha=sch.placement_ema, cooldown_steps=sch.cooldown_steps,
@@ -46,7 +46,7 @@ def coordinator_settings(cfg: Config, *, workers: int | None = None, trainer_sha
                     checkpoint_every=cfg.checkpoint.every_steps, timeout_s=cfg.run.timeout_s,
                     setup_timeout_s=cfg.run.setup_timeout_s, eval_every=cfg.run.eval_every_steps,
                     time_budget_s=cfg.trainer.time_budget_s,
-                    event_log=event_log if event_log is not None else cfg.run.event_log, trainer_shard=trainer_shard,
+                    event_log=event_log if event_log is not None else cfg.run.event_log, replica_size=replica_size,
                     rollout_tp=rollout_tp if rollout_tp is not None else res.rollout_tp_size)
 
 
