@@ -35,7 +35,7 @@ counters, so that it can report a failure; the first broken check is named in ``
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from reflow_hpc.core.sample import EVICTED_STALE, FILTERED, TERMINAL_REASONS, TRAINED
 
@@ -52,7 +52,7 @@ class Accounting:
         self.trained = 0
         self.replayed = 0
 
-    def report(self, live: Mapping[str, int], records: int) -> dict:
+    def report(self, live: Mapping[str, int], records: int) -> dict[str, Any]:
         """The counters and the verdict of the checks, given the live count per state and the
         number of live records: ``{"created", "live", "ended", "evicted_unused", "trained",
         "replayed", "ok", "why"}`` (``why`` is empty when ``ok``)."""

@@ -13,7 +13,7 @@ the writer's replica get the same command and take part in gathering the model a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from .commands import FlushTrajectories, WriteCheckpoint
 from .index import ReplayIndex
@@ -28,9 +28,9 @@ class CheckpointRound:
     tag: str
     step: int
     writer: int
-    state: dict                          # the coordinator's state when the round began
+    state: dict[str, Any]                # the coordinator's state when the round began
     flushing: set[int]                   # phase 1: workers whose shard manifest is still due
-    manifests: dict[int, dict] = field(default_factory=dict)
+    manifests: dict[int, dict[str, Any]] = field(default_factory=dict)
     writing: bool = False                # phase 2: the writer was told to write
     unwritten: set[int] = field(default_factory=set)   # phase 2: the writer and its replica, not yet done
     path: str = ""                       # where the writer wrote it
@@ -38,7 +38,7 @@ class CheckpointRound:
     saved: list[int] = field(default_factory=list)    # the samples the workers saved (phase 1)
 
     @classmethod
-    def begin(cls, step: int, writer: int, state: dict, *, workers: list[int], rollouts: list[int],
+    def begin(cls, step: int, writer: int, state: dict[str, Any], *, workers: list[int], rollouts: list[int],
               partials: bool) -> tuple["CheckpointRound", list[FlushTrajectories]]:
         """The round and its phase-1 commands. With ``partials`` every rollout worker (the writer too, if
         it generates) saves what it is generating in phase 1."""
@@ -47,14 +47,14 @@ class CheckpointRound:
         c = cls(tag, step, writer, state, set(others), partials=partials)
         return c, [FlushTrajectories(w, step, tag, partials and w in rollouts) for w in others]
 
-    def flushed(self, worker: int, tag: str, manifest: dict, partials: list[int]) -> None:
+    def flushed(self, worker: int, tag: str, manifest: dict[str, Any], partials: list[int]) -> None:
         if tag != self.tag or worker not in self.flushing:
             raise ValueError(f"checkpoint: unexpected shard manifest for {tag} from rank {worker}")
         self.flushing.discard(worker)
         self.manifests[worker] = manifest
         self.saved += list(partials)
 
-    def write(self, replica: list[int], state: Callable[[], dict]) -> list[WriteCheckpoint]:
+    def write(self, replica: list[int], state: Callable[[], dict[str, Any]]) -> list[WriteCheckpoint]:
         """Phase 2, once phase 1 is complete (else nothing): ``replica`` are the ranks of the writer's
         replica; ``state`` the coordinator's state now, taken when the run stops early."""
         if self.flushing or self.writing:
@@ -86,12 +86,12 @@ class Checkpointing:
         self.every = every
         self.round: CheckpointRound | None = None
         self.replica: list[int] = []                # the writer's replica (phase 2)
-        self.state: Callable[[], dict] = dict       # the coordinator's state now (phase 2 of an early stop)
+        self.state: Callable[[], dict[str, Any]] = dict  # the coordinator's state now (phase 2 of an early stop)
         self.tag = ""                              # the newest checkpoint taken (or resumed from)
         self.saved_partials: set[int] = set()      # in-flight samples saved into the final checkpoint
         self.kept: set[int] = set()                # live samples the resumed run continues (early stop)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {"saved_partials": len(self.saved_partials), "kept_in_checkpoint": len(self.kept)}
 
     def due(self, done: int, steps: int) -> bool:
@@ -99,7 +99,7 @@ class Checkpointing:
         return bool((self.every and done and done % self.every == 0) or done >= steps) \
             and checkpoint_tag(done) != self.tag
 
-    def begin(self, step: int, replica: list[int], state: Callable[[], dict], *, workers: list[int],
+    def begin(self, step: int, replica: list[int], state: Callable[[], dict[str, Any]], *, workers: list[int],
               rollouts: list[int], partials: bool) -> list[FlushTrajectories | WriteCheckpoint]:
         """A round after ``step``, written by ``replica`` (its first rank writes) with ``state()``, the
         coordinator's state; its commands so far."""
@@ -112,7 +112,7 @@ class Checkpointing:
         """Phase 2 of the round in progress once its phase 1 is complete (:meth:`CheckpointRound.write`)."""
         return self.round.write(self.replica, self.state) if self.round is not None else []
 
-    def flushed(self, worker: int, tag: str, manifest: dict, partials: list[int]) -> None:
+    def flushed(self, worker: int, tag: str, manifest: dict[str, Any], partials: list[int]) -> None:
         if self.round is None:
             raise ValueError(f"checkpoint: unexpected shard manifest for {tag} from rank {worker}")
         self.round.flushed(worker, tag, manifest, partials)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class TrainSample(NamedTuple):
     staleness: int
 
 
-def train_samples(*fields: Iterable) -> list[TrainSample]:
+def train_samples(*fields: Iterable[Any]) -> list[TrainSample]:
     """TrainSamples from one iterable per field, in field order (made as :func:`dispatched_samples`)."""
     return list(map(tuple.__new__, repeat(TrainSample), zip(*fields)))
 
@@ -116,8 +116,8 @@ class WriteCheckpoint:
     worker: int
     step: int
     tag: str
-    state: dict
-    manifests: dict[str, dict]      # rank (as text, a JSON key) -> its shard manifest
+    state: dict[str, Any]
+    manifests: dict[str, dict[str, Any]]      # rank (as text, a JSON key) -> its shard manifest
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ weights.
 from __future__ import annotations
 
 import math
+from typing import Any, Iterable, Sequence
 
 from .commands import Setup, Switch
 from .outputs import StepRecord
@@ -67,7 +68,8 @@ class ElasticPool:
             else:
                 generation.remove_worker(w)
 
-    def restore(self, placements: list, n_replicas: int, generation: GenerationScheduler, *, colocated: bool) -> None:
+    def restore(self, placements: Iterable[Sequence[int]], n_replicas: int, generation: GenerationScheduler, *,
+                colocated: bool) -> None:
         """The placements of a checkpoint's run, and the split in force when it was taken (split pools)."""
         self.placements = [(int(step), int(n)) for step, n in placements]
         if not colocated and n_replicas != self.replicas:
@@ -75,7 +77,7 @@ class ElasticPool:
             if self.planner is not None:
                 self.planner.applied(n_replicas)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {"roles": self.roles(), "placements": [list(p) for p in self.placements],
                 "handed_over": self.handed_over}
 
@@ -126,7 +128,7 @@ class ElasticPool:
             self.handed_off[worker] = list(handed_off)
         return not self.switching
 
-    def finish_switch(self, steps_done: int, now: float) -> dict:
+    def finish_switch(self, steps_done: int, now: float) -> dict[str, Any]:
         """Every worker switched: the switch's record (for the step record and the event log)."""
         self.placements.append((steps_done, self.replicas))
         seconds = now - self.started_at

@@ -87,7 +87,7 @@ class StepDone(NamedTuple):
     worker: int
     now: float
     step: int
-    stats: dict
+    stats: dict[str, float]
     idle_s: float = 0.0
     fetch_s: float = 0.0
 
@@ -117,7 +117,7 @@ class TrajectoriesFlushed(NamedTuple):
     worker: int
     now: float
     tag: str
-    manifest: dict
+    manifest: dict[str, Any]
     partials: Sequence[int] = ()
 
 

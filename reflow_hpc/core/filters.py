@@ -20,40 +20,24 @@ and select it with ``[reflow] replay_filter = "at_most_twice"``.
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar
+from typing import Any
 
-from reflow_hpc.core.registry import Registry
+from reflow_hpc.core.registry import Registered, Registry
 from reflow_hpc.core.sample import SampleRecord
 
-REPLAY_FILTERS: Registry = Registry("replay filter", "reflow.replay_filter")
 
-
-def register_replay_filter(name: str):
-    """Class decorator: make a :class:`ReplayFilter` selectable as ``reflow.replay_filter = name``."""
-    return REPLAY_FILTERS.register(name)
-
-
-def make_replay_filter(name: str, settings: Any = None) -> "ReplayFilter":
-    """A fresh filter of the registered class ``name``, configured from ``settings`` when given."""
-    cls = REPLAY_FILTERS.get(name)
-    return cls.from_settings(settings) if settings is not None else cls()
-
-
-def replay_filter_names() -> list[str]:
-    return REPLAY_FILTERS.names()
-
-
-class ReplayFilter(abc.ABC):
-    name: ClassVar[str] = ""
-
-    @classmethod
-    def from_settings(cls, settings: Any) -> "ReplayFilter":
-        """Build from the ``[reflow]`` config section; the default takes no parameters."""
-        return cls()
+class ReplayFilter(Registered):
+    """Interface of a replay filter (see the module docstring)."""
 
     @abc.abstractmethod
     def accept(self, sample: SampleRecord) -> bool:
         """True: reinsert ``sample`` (just trained on) as a replay sample."""
+
+
+REPLAY_FILTERS: Registry[ReplayFilter] = Registry("replay filter", "reflow.replay_filter")
+register_replay_filter = REPLAY_FILTERS.register       # class decorator: selectable as reflow.replay_filter
+make_replay_filter = REPLAY_FILTERS.make               # (name, [reflow] section or None) -> a fresh filter
+replay_filter_names = REPLAY_FILTERS.names
 
 
 @register_replay_filter("accept_all")
@@ -74,7 +58,7 @@ class RewardBand(ReplayFilter):
         self.reward_low, self.reward_high = reward_low, reward_high
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "RewardBand":
+    def from_settings(cls, settings: Any) -> RewardBand:
         return cls(settings.reward_low, settings.reward_high)
 
     def accept(self, sample: SampleRecord) -> bool:

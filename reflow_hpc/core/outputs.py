@@ -21,7 +21,7 @@ from .phase import Phase
 class ReplicaReport:
     """One trainer rank's report of a finished step."""
     worker: int
-    stats: dict                  # trainer metrics of this rank
+    stats: dict[str, float]      # trainer metrics of this rank
     idle_s: float                # time it waited for the batch
     fetch_s: float               # time it spent fetching payloads
 
@@ -42,10 +42,10 @@ class StepRecord:
     sync_seconds: float | None   # the most recent completed weight sync (its slowest member), None before any
     partial_rollouts: int        # in-flight samples held and resumed at weight syncs so far
     concurrency_caps: dict[int, int]
-    gauges: dict
+    gauges: dict[str, int]
     finish_reasons: dict[str, int]   # finished samples so far, by how generation ended
     roles: dict[int, str] = field(default_factory=dict)      # every rank's role during the step
-    switches: list[dict] = field(default_factory=list)      # role switches that completed during the step
+    switches: list[dict[str, Any]] = field(default_factory=list)   # role switches that completed during the step
     produced: int = 0            # fresh samples that finished during the step
     placement_mismatch: float = math.nan   # the planner's |log(coverage / target)| of the split in force
 
@@ -57,7 +57,7 @@ class Outputs:
     def __init__(self, phase: Phase):
         self.commands: list[Any] = []          # for the workers they name, in order
         self.steps: list[StepRecord] = []      # steps that ended
-        self.log: list[dict] = []              # event-log lines
+        self.log: list[dict[str, Any]] = []    # event-log lines
         self.checkpoints: list[tuple[str, int, str]] = []   # (tag, step, path) written
         self.notices: list[str] = []           # one line each, for the operator
         self.phase = phase                     # after the event

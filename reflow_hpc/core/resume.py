@@ -11,7 +11,7 @@ ends here is logged when the run starts, so the event log says how each sample e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from .index import RecoveredSample, Release, ReplayIndex
 from .sample import FINISHED, READY, REPLAY
@@ -26,7 +26,7 @@ class Resumed:
     recovered_ids: list[int] = field(default_factory=list)   # finished after the checkpoint, found in shards
     shards: dict[int, tuple[Sequence[RecoveredSample], Sequence[int]]] = field(default_factory=dict)
 
-    def load(self, index: ReplayIndex, state: dict, partials: list[int]) -> None:
+    def load(self, index: ReplayIndex, state: dict[str, Any], partials: list[int]) -> None:
         """The checkpoint's index, its in-flight samples kept (``partials``) and the others ended."""
         self.partials = sorted(partials)
         self.releases = index.load_state_dict(state, resume=True, keep=self.partials)
@@ -35,12 +35,12 @@ class Resumed:
         releases, self.releases = self.releases, []
         return releases
 
-    def notice(self, gauges: dict) -> str:
+    def notice(self, gauges: Mapping[str, int]) -> str:
         return (f"buffer after resume: {gauges['buffer/ready']} ready, {gauges['buffer/replay']} replay, "
                 f"{len(self.recovered_ids)} recovered from shards, {gauges['buffer/lost']} lost, "
                 f"{gauges['buffer/aborted']} aborted")
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {"recovered": len(self.recovered_ids), "resumed_partials": len(self.partials)}
 
     def reconcile(self, index: ReplayIndex) -> None:

@@ -64,11 +64,11 @@ class SampleRecord:
     def is_replay(self) -> bool:
         return self.times_used > 0
 
-    def to_row(self) -> list:
+    def to_row(self) -> list[Any]:
         return [getattr(self, name) for name in ROW_FIELDS]
 
     @classmethod
-    def from_row(cls, row: list) -> "SampleRecord":
+    def from_row(cls, row: list[Any]) -> "SampleRecord":
         if len(row) == len(ROW_FIELDS) and row[3] == "running":
             row = [*row[:3], PENDING, *row[4:]]    # checkpoints from before `running` was folded into `pending`
         if len(row) != len(ROW_FIELDS):
@@ -93,7 +93,7 @@ def check_finished(sample_id: int, reward: Any, min_version: Any, max_version: A
     if max_allowed_version is not None and max_version > max_allowed_version:
         raise ValueError(f"sample {sid}: max token version {max_version} is newer than the published "
                          f"version {max_allowed_version}")
-    if not (isinstance(loss_tokens, numbers.Integral) and loss_tokens >= 0):
+    if not (isinstance(loss_tokens, numbers.Integral) and int(loss_tokens) >= 0):
         raise ValueError(f"sample {sid}: loss_tokens {loss_tokens!r} must be an integer ≥ 0")
-    if not (isinstance(base_weight, numbers.Real) and math.isfinite(base_weight) and base_weight >= 0.0):
+    if not (isinstance(base_weight, numbers.Real) and math.isfinite(base_weight) and float(base_weight) >= 0.0):
         raise ValueError(f"sample {sid}: base_weight {base_weight!r} must be a finite number ≥ 0")

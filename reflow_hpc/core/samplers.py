@@ -29,38 +29,14 @@ from __future__ import annotations
 
 import abc
 import random
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from reflow_hpc.core.registry import Registry
+from reflow_hpc.core.registry import Registered, Registry
 from reflow_hpc.core.sample import REPLAY, SampleRecord
 
-SAMPLERS: Registry = Registry("replay sampler", "reflow.sampler")
 
-
-def register_sampler(name: str):
-    """Class decorator: make a :class:`Sampler` selectable as ``reflow.sampler = name``."""
-    return SAMPLERS.register(name)
-
-
-def make_sampler(name: str, settings: Any = None) -> "Sampler":
-    """A fresh sampler of the registered class ``name``, configured from ``settings`` when given."""
-    cls = SAMPLERS.get(name)
-    return cls.from_settings(settings) if settings is not None else cls()
-
-
-def sampler_names() -> list[str]:
-    return SAMPLERS.names()
-
-
-class Sampler(abc.ABC):
+class Sampler(Registered):
     """Interface of a replay sampler (see the module docstring for the contract)."""
-
-    name: ClassVar[str] = ""
-
-    @classmethod
-    def from_settings(cls, settings: Any) -> "Sampler":
-        """Build from the ``[reflow]`` config section; the default takes no parameters."""
-        return cls()
 
     @abc.abstractmethod
     def add(self, sample: SampleRecord) -> None:
@@ -89,6 +65,12 @@ class Sampler(abc.ABC):
         """
         for sample in samples:
             self.add(sample)
+
+
+SAMPLERS: Registry[Sampler] = Registry("replay sampler", "reflow.sampler")
+register_sampler = SAMPLERS.register        # class decorator: selectable as reflow.sampler
+make_sampler = SAMPLERS.make                # (name, [reflow] section or None) -> a fresh sampler
+sampler_names = SAMPLERS.names
 
 
 class PoolSampler(Sampler):
@@ -159,7 +141,7 @@ class MediumRewardSampler(PoolSampler):
         self.reward_low, self.reward_high = reward_low, reward_high
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "MediumRewardSampler":
+    def from_settings(cls, settings: Any) -> MediumRewardSampler:
         return cls(settings.reward_low, settings.reward_high)
 
     def eligible(self, sample: SampleRecord) -> bool:
@@ -171,8 +153,8 @@ def take_replay(sampler: Sampler, k: int, rng: random.Random,
     """``k`` replay samples picked by ``sampler`` with ``rng`` and removed from it; RuntimeError when the
     sampler returns anything but ``k`` distinct ids of live samples in the replay state."""
     picked = sampler.pick(k, rng)
-    recs = [samples.get(sid) for sid in picked]
-    if len(picked) != k or len(set(picked)) != k or [rec for rec in recs if rec is None or rec.state != REPLAY]:
+    recs = [rec for rec in map(samples.get, picked) if rec is not None and rec.state == REPLAY]
+    if len(picked) != k or len(set(picked)) != k or len(recs) != k:
         raise RuntimeError(f'replay sampler "{sampler.name}" returned {picked[:8]} for {k} slots: '
                            f"expected {k} distinct ids of samples in the replay state")
     for sid in picked:

@@ -31,10 +31,10 @@ class TrainingStep:
         self.generated = {w: 0 for w in workers}        # cumulative generated tokens, as reported
         self.generated_at_last_step = 0
         self.produced = 0                        # fresh samples finished since the last step
-        self.switches: list[dict] = []           # role switches completed since the last step
+        self.switches: list[dict[str, Any]] = []  # role switches completed since the last step
         self.fresh_rewards: list[float] = []     # mean reward of each step's unused samples
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """The mean reward of the fresh samples of the first and the last tenth of the run's steps."""
         rewards = [r for r in self.fresh_rewards if r == r]
         k = max(1, min(50, len(rewards) // 10))
@@ -71,7 +71,8 @@ class TrainingStep:
                       len(trainers))
                 for replica, (worker, idx) in enumerate(zip(trainers, shares))]
 
-    def reported(self, worker: int, step: int, stats: dict, idle_s: float, fetch_s: float) -> Batch | None:
+    def reported(self, worker: int, step: int, stats: dict[str, float], idle_s: float,
+                 fetch_s: float) -> Batch | None:
         """A trainer rank finished its share; the batch once every rank did."""
         if self.batch is None or step != self.batch.step or worker not in self.waiting:
             raise ValueError(f"step_done: unexpected report of step {step} from rank {worker}")
