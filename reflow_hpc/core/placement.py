@@ -106,11 +106,11 @@ class PlacementPlanner:
     def __init__(self, settings: PlacementSettings, n_trainers: int):
         self.s = settings
         self.current = n_trainers
-        self.rate = None                 # p: produced ÷ busy worker-seconds, each smoothed
-        self._produced = None            # smoothed fresh samples per window
-        self._busy = None                # smoothed busy rollout worker-seconds per window
-        self.train_s = None              # t, smoothed
-        self.supply = None               # r, replay samples a batch can draw, smoothed
+        self.rate: float | None = None      # p: produced ÷ busy worker-seconds, each smoothed
+        self._produced: float | None = None  # smoothed fresh samples per window
+        self._busy: float | None = None     # smoothed busy rollout worker-seconds per window
+        self.train_s: float | None = None   # t, smoothed
+        self.supply: float | None = None    # r, replay samples a batch can draw, smoothed
         self.steps_since_change = 0
         self.last_mismatch = math.nan
         self.proposed = n_trainers
@@ -140,35 +140,15 @@ class PlacementPlanner:
         """One step's window; returns the new n_T when the placement should change now, else None.
         ``steps_left``: optimizer steps the run has still to take (None: unbounded, no switch is too dear)."""
         self.steps_since_change += 1
-        n_t, n_r = self.current, self.rollouts(self.current)
-        busy = n_r * w.step_s * (1.0 - min(max(w.idle_rollout, 0.0), 1.0))
-        t = w.step_s * (1.0 - min(w.idle_trainer, 0.999)) * n_t
-        a = self.s.ema_alpha
-        self._produced = w.produced if self._produced is None else a * w.produced + (1 - a) * self._produced
-        self._busy = busy if self._busy is None else a * busy + (1 - a) * self._busy
-        if self._busy > 0:
-            self.rate = self._produced / self._busy
-        self.train_s = t if self.train_s is None else a * t + (1 - a) * self.train_s
-        if w.replay_supply is not None:
-            r = min(w.replay_supply, self.s.sigma * self.s.batch_size)
-            self.supply = r if self.supply is None else a * r + (1 - a) * self.supply
+        n_t = self.current
+        self._measure(w, n_t)
         starved_step_s = self._starved(w)
         if self.ceiling is not None and self._rates_moved():
             self.ceiling = None
-        if self.rate is None:            # no rollout worker was busy yet: nothing to plan with
+        if self.rate is None or self.train_s is None:    # no rollout worker was busy yet: nothing to plan with
             self.proposed = n_t
             return None
-        everything = self.feasible()
-        fewer = [k for k in everything if k < n_t]
-        if starved_step_s is not None and fewer and self.train_s / max(fewer) < starved_step_s:
-            self.ceiling = max(fewer)
-            self.ceiling_rates = (self.rate, self.train_s)
-        feasible = [k for k in everything if self.ceiling is None or k <= self.ceiling or k == n_t]
-        times = {k: self.step_time(k) for k in feasible}
-        self.last_mismatch = self.mismatch(n_t)
-        above = self.ceiling is not None and n_t > self.ceiling
-        self.proposed = min((k for k in times if not above or k != n_t),
-                            key=lambda k: (times[k], k != self.current, k), default=n_t)
+        times, above = self._propose(n_t, starved_step_s, self.rate, self.train_s)
         if not self.s.elastic or self.proposed == self.current:
             return None
         if self.steps_since_change < self.s.cooldown_steps:
@@ -179,6 +159,37 @@ class PlacementPlanner:
         if not above and steps_left is not None and not saving * steps_left > self.switch_s:
             return None
         return self.proposed
+
+    def _measure(self, w: Window, n_t: int) -> None:
+        """Fold the window into the smoothed rates p, t and r (module docstring)."""
+        busy = self.rollouts(n_t) * w.step_s * (1.0 - min(max(w.idle_rollout, 0.0), 1.0))
+        t = w.step_s * (1.0 - min(w.idle_trainer, 0.999)) * n_t
+        a = self.s.ema_alpha
+        self._produced = w.produced if self._produced is None else a * w.produced + (1 - a) * self._produced
+        self._busy = busy if self._busy is None else a * busy + (1 - a) * self._busy
+        if self._busy > 0:
+            self.rate = self._produced / self._busy
+        self.train_s = t if self.train_s is None else a * t + (1 - a) * self.train_s
+        if w.replay_supply is not None:
+            r = min(w.replay_supply, self.s.sigma * self.s.batch_size)
+            self.supply = r if self.supply is None else a * r + (1 - a) * self.supply
+
+    def _propose(self, n_t: int, starved_step_s: float | None, rate: float,
+                 train_s: float) -> tuple[dict[int, float], bool]:
+        """Sets the starvation ceiling, the mismatch and the proposed n_T; returns the predicted step time
+        of every placement considered, and whether the current one is above the ceiling."""
+        everything = self.feasible()
+        fewer = [k for k in everything if k < n_t]
+        if starved_step_s is not None and fewer and train_s / max(fewer) < starved_step_s:
+            self.ceiling = max(fewer)
+            self.ceiling_rates = (rate, train_s)
+        feasible = [k for k in everything if self.ceiling is None or k <= self.ceiling or k == n_t]
+        times = {k: self.step_time(k) for k in feasible}
+        self.last_mismatch = self.mismatch(n_t)
+        above = self.ceiling is not None and n_t > self.ceiling
+        self.proposed = min((k for k in times if not above or k != n_t),
+                            key=lambda k: (times[k], k != self.current, k), default=n_t)
+        return times, above
 
     def step_time(self, n_t: int) -> float:
         """Predicted step time of the placement with ``n_t`` trainer replicas (module docstring)."""
