@@ -76,7 +76,7 @@ from reflow_hpc.core.accounting import Accounting
 from reflow_hpc.core.composition import Batch, Composer
 from reflow_hpc.core.dispatch_window import DispatchWindow
 from reflow_hpc.core.filters import ReplayFilter, make_replay_filter
-from reflow_hpc.core.index_state import STATE_FORMAT, RecoveredSample
+from reflow_hpc.core.index_state import STATE_FORMAT, IndexParts, RecoveredSample
 from reflow_hpc.core.modes import check
 from reflow_hpc.core.pool import Group, Pool, Release
 from reflow_hpc.core.pool_checks import check_pool
@@ -122,12 +122,13 @@ class ReplayIndex:
         self._composer = Composer(batch_size=batch_size, sigma=self.sigma, tau=self.tau, pool=self._pool,
                                   sampler=sampler, seed=seed)
         self._window = DispatchWindow(b_max, self._pool.count, self._composer.ready)
+        self._parts = IndexParts(self._pool, self._accounts, self._composer, self._window, sampler, replay_filter)
         self._samples, self._count = self._pool.samples, self._pool.count    # the pool's own, for O(1) queries
         self._recover_open = True                              # until the first new_group
         # The hottest calls go straight to the part that answers them, with no façade call in between
         # (the methods of the same names below document them and do the same).
-        self.finished = self._pool.finished
-        self.batch_ready = self._composer.ready
+        self.finished = self._pool.finished             # type: ignore[method-assign]  # same signature
+        self.batch_ready = self._composer.ready         # type: ignore[method-assign]  # same signature
 
     # ------------------------------------------------------------------------------------------
     # Queries
@@ -205,7 +206,7 @@ class ReplayIndex:
         g["buffer/replayed_uses"] = acc.replayed
         return g
 
-    def accounting(self) -> dict:
+    def accounting(self) -> dict[str, Any]:
         """The accounting, computed and checked now (O(1)): ``{"created", "live", "ended": {reason: n},
         "evicted_unused", "trained", "replayed", "ok", "why"}``; ``why`` names the first broken check
         (:mod:`reflow_hpc.core.accounting`)."""
@@ -228,7 +229,7 @@ class ReplayIndex:
                              f"(b_max = {self.b_max}, outstanding = {self.outstanding}); "
                              f"check can_dispatch_group() first")
         prompt_id = int(prompt_id)
-        if worker is None or isinstance(worker, numbers.Integral):
+        if worker is None or isinstance(worker, (int, numbers.Integral)):
             workers = [-1 if worker is None else int(worker)] * n
         else:
             workers = [int(w) for w in worker]
@@ -299,12 +300,15 @@ class ReplayIndex:
     # Checkpoints (reflow_hpc.core.index_state)
     # ------------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Plain JSON-able state; see :meth:`load_state_dict`."""
-        return index_state.state_dict(self)
+        params = {"group_size": self.group_size, "batch_size": self.batch_size, "sigma": self.sigma,
+                  "tau": self.tau, "delta": self.delta, "b_max": self.b_max, "adv_eps": self.adv_eps,
+                  "adv_std_norm": self.adv_std_norm}
+        return index_state.state_dict(self._parts, params)
 
     @classmethod
-    def from_state_dict(cls, state: dict, *, sampler: Sampler | None = None,
+    def from_state_dict(cls, state: dict[str, Any], *, sampler: Sampler | None = None,
                         replay_filter: ReplayFilter | None = None, resume: bool = True) -> "ReplayIndex":
         """An index with the checkpoint's parameters and state.
 
@@ -320,7 +324,7 @@ class ReplayIndex:
         index.load_state_dict(state, resume=resume)
         return index
 
-    def load_state_dict(self, state: dict, *, resume: bool = True, keep: Iterable[int] = ()) -> list[Release]:
+    def load_state_dict(self, state: dict[str, Any], *, resume: bool = True, keep: Iterable[int] = ()) -> list[Release]:
         """Load a checkpoint into this fresh index; its own parameters (σ, τ, δ, b, b_max, sampler,
         filter) stay, so a restart may change them. The RNG continues from the checkpoint.
 
@@ -332,7 +336,7 @@ class ReplayIndex:
         Returns the releases of the samples that ended while loading (those, and samples staler
         than this index's δ).
         """
-        out = index_state.load_state_dict(self, state, resume=resume, keep=keep)
+        out = index_state.load_state_dict(self._parts, state, resume=resume, keep=keep)
         self._recover_open = True
         return out
 
@@ -349,7 +353,7 @@ class ReplayIndex:
         if not self._recover_open:
             raise ValueError("recover: new groups were dispatched since the restore; recovered ids could "
                              "collide with them (call recover before any new_group)")
-        return index_state.recover(self, samples, now)
+        return index_state.recover(self._parts, samples, now)
 
     # ------------------------------------------------------------------------------------------
     # Checks (tests and debugging)

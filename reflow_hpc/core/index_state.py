@@ -18,17 +18,30 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from reflow_hpc.core.accounting import Accounting
+from reflow_hpc.core.composition import Composer
+from reflow_hpc.core.dispatch_window import DispatchWindow
+from reflow_hpc.core.filters import ReplayFilter
 from reflow_hpc.core.pool import OpenGroup, Pool, Release
 from reflow_hpc.core.sample import (EVICTED_STALE, FILTERED, FINISHED, GENERATING, READY, REPLAY,
                                     TRAINED, TRAINING, SampleRecord, check_finished)
-
-if TYPE_CHECKING:
-    from reflow_hpc.core.index import ReplayIndex
+from reflow_hpc.core.samplers import Sampler
 
 STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class IndexParts:
+    """The parts of a replay index that its checkpoint code reads and writes (the index's own; the
+    façade in :mod:`reflow_hpc.core.index` hands them over, so this module needs nothing of it)."""
+    pool: Pool
+    accounts: Accounting
+    composer: Composer
+    window: DispatchWindow
+    sampler: Sampler
+    replay_filter: ReplayFilter
 
 
 @dataclass(frozen=True)
@@ -46,17 +59,16 @@ class RecoveredSample:
     base_weight: float = 1.0
 
 
-def check_format(state: dict) -> None:
+def check_format(state: dict[str, Any]) -> None:
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"replay index state: format {found!r}, expected {STATE_FORMAT}")
 
 
-# The functions below are the index's own checkpoint code: they read and write its parts directly.
-
-def state_dict(index: ReplayIndex) -> dict:
-    """Plain JSON-able state of ``index``; see :func:`load_state_dict`."""
-    pool, acc, composer = index._pool, index._accounts, index._composer
+def state_dict(parts: IndexParts, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Plain JSON-able state of the index of ``parts``, built with ``params`` (the keyword arguments of
+    :class:`~reflow_hpc.core.index.ReplayIndex` but its sampler, filter and seed); see :func:`load_state_dict`."""
+    pool, acc, composer = parts.pool, parts.accounts, parts.composer
     samples, queues = pool.samples, pool.ready_by_version
     ready_order = [sid for v in sorted(queues) for sid in queues[v]
                    if sid in samples and samples[sid].state == READY]
@@ -64,9 +76,7 @@ def state_dict(index: ReplayIndex) -> dict:
     version, internal, gauss = composer.rng.getstate()
     return {
         "format": STATE_FORMAT,
-        "params": {"group_size": index.group_size, "batch_size": index.batch_size, "sigma": index.sigma,
-                   "tau": index.tau, "delta": index.delta, "b_max": index.b_max,
-                   "adv_eps": index.adv_eps, "adv_std_norm": index.adv_std_norm},
+        "params": dict(params),
         "version": pool.version,
         "step": composer.step,
         "next_sample_id": pool.next_sample_id,
@@ -75,24 +85,25 @@ def state_dict(index: ReplayIndex) -> dict:
         "created": acc.created,
         "terminal": dict(acc.ended),
         "evicted_unused": acc.evicted_unused,
-        "budget": index._window.left,
+        "budget": parts.window.left,
         "rng": [version, list(internal), gauss],
         "samples": [samples[sid].to_row() for sid in sorted(samples)],
         "groups": [[g.group_id, g.prompt_id, list(g.members), g.outstanding]
                    for g in sorted(pool.groups.values(), key=lambda g: g.group_id)],
         "ready_order": ready_order,
         "replay_order": replay_order,
-        "sampler": {"name": index.sampler.name, "state": index.sampler.state_dict()},
-        "replay_filter": {"name": index.replay_filter.name},
+        "sampler": {"name": parts.sampler.name, "state": parts.sampler.state_dict()},
+        "replay_filter": {"name": parts.replay_filter.name},
         "trained": acc.trained,
         "replayed": acc.replayed,
     }
 
 
-def load_state_dict(index: ReplayIndex, state: dict, *, resume: bool, keep: Iterable[int]) -> list[Release]:
-    """Load a checkpoint into the fresh ``index`` (see :meth:`ReplayIndex.load_state_dict`)."""
+def load_state_dict(parts: IndexParts, state: dict[str, Any], *, resume: bool,
+                    keep: Iterable[int]) -> list[Release]:
+    """Load a checkpoint into the fresh index of ``parts`` (see :meth:`ReplayIndex.load_state_dict`)."""
     check_format(state)
-    pool, acc, composer = index._pool, index._accounts, index._composer
+    pool, acc, composer = parts.pool, parts.accounts, parts.composer
     if acc.created or pool.next_sample_id:
         raise ValueError("load_state_dict: the index already holds samples; load into a fresh index")
     pool.version, composer.step = state["version"], state["step"]
@@ -111,16 +122,16 @@ def load_state_dict(index: ReplayIndex, state: dict, *, resume: bool, keep: Iter
     _load_training_counts(acc, state, pool.samples.values())
     replay = [pool.samples[sid] for sid in state["replay_order"]]
     saved = state["sampler"]
-    index.sampler.load_state_dict(saved["state"] if saved["name"] == index.sampler.name else None, replay)
-    index._window.restore(state["budget"])                  # b_max may have changed
+    parts.sampler.load_state_dict(saved["state"] if saved["name"] == parts.sampler.name else None, replay)
+    parts.window.restore(state["budget"])                   # b_max may have changed
     out: list[Release] = []
     pool.evict_stale(out)                      # δ may have shrunk since the checkpoint
     if resume:
-        _resume(index, out, set(keep))
+        _resume(parts, out, set(keep))
     return out
 
 
-def _load_training_counts(acc: Accounting, state: dict, live: Iterable[SampleRecord]) -> None:
+def _load_training_counts(acc: Accounting, state: dict[str, Any], live: Iterable[SampleRecord]) -> None:
     """``trained`` and ``replayed``; checkpoints from before they were counted give the lower bounds
     that their other counters prove (samples known to have ended after training, live uses)."""
     if "trained" in state:
@@ -132,10 +143,10 @@ def _load_training_counts(acc: Accounting, state: dict, live: Iterable[SampleRec
     acc.replayed = sum(t - 1 for t in used)
 
 
-def _resume(index: ReplayIndex, out: list[Release], keep: set[int]) -> None:
+def _resume(parts: IndexParts, out: list[Release], keep: set[int]) -> None:
     """The restart rules of the module docstring; ``keep``: pending samples whose partial responses
     the checkpoint saved, left pending with no worker until a driver reassigns them."""
-    pool = index._pool
+    pool = parts.pool
     training = sorted((rec for rec in pool.samples.values() if rec.state == TRAINING),
                       key=lambda rec: (rec.min_version, rec.finish_seq, rec.sample_id), reverse=True)
     for rec in training:                       # newest first: each goes to the front of its queue
@@ -148,12 +159,12 @@ def _resume(index: ReplayIndex, out: list[Release], keep: set[int]) -> None:
     for sid in in_flight:
         if sid in keep:                                  # its worker's process is gone: reassigned later
             pool.samples[sid].worker = -1
-    index._window.restore(index.b_max)                   # a fresh window beside the kept partials
+    parts.window.restore(parts.window.b_max)             # a fresh window beside the kept partials
 
 
-def recover(index: ReplayIndex, samples: Iterable[RecoveredSample], now: float) -> list[Release]:
+def recover(parts: IndexParts, samples: Iterable[RecoveredSample], now: float) -> list[Release]:
     """Re-admit finished samples found in shards (see :meth:`ReplayIndex.recover`)."""
-    pool = index._pool
+    pool = parts.pool
     items = sorted(samples, key=lambda s: (s.group_id, s.sample_id))
     _check_recovered(pool, items)
     out: list[Release] = []
@@ -166,7 +177,7 @@ def recover(index: ReplayIndex, samples: Iterable[RecoveredSample], now: float) 
         pool.finish_seq += 1
         pool.samples[rec.sample_id] = rec
         pool.count[FINISHED] += 1
-        index._accounts.created += 1
+        parts.accounts.created += 1
         groups.setdefault(rec.group_id, []).append(rec)
         if rec.min_version < pool.version - pool.delta or rec.max_version > pool.version:
             pool.end(rec, EVICTED_STALE, out)

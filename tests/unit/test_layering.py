@@ -45,15 +45,6 @@ PURE = {"core", "sim"}
 PLUGIN_SITE = ("plugins.py", "import_plugin")
 # Calls that import (or look up) the module their first argument names.
 IMPORT_CALLS = {"import_module", "__import__", "find_spec"}
-# Known cycles, by their modules in the order cycles() prints them. TO BE REMOVED: each entry is a cycle
-# whose fix belongs to work in progress elsewhere in the tree; delete the entry with the fix (the test
-# reports an entry that no longer occurs).
-KNOWN_CYCLES = {
-    # core/index_state.py names ReplayIndex (under TYPE_CHECKING) for the index it saves, loads and
-    # recovers: it should take the parts it reads (pool, accounting, window, version) or a Protocol of
-    # its own, so that the index's parts know nothing of the facade.
-    ("reflow_hpc.core.index", "reflow_hpc.core.index_state"),
-}
 
 
 def part_of(path: Path) -> str:
@@ -251,11 +242,8 @@ def test_every_import_respects_the_layers():
 
 def test_no_module_imports_one_that_imports_it_back():
     found = cycles()
-    new = [text for key, text in found.items() if key not in KNOWN_CYCLES]
-    assert not new, ("import cycles among the package's modules (move the shared piece down instead of "
-                     "hiding the import in a function):\n" + "\n".join(new))
-    fixed = sorted(KNOWN_CYCLES - set(found))
-    assert not fixed, f"no longer a cycle: remove from KNOWN_CYCLES in tests/unit/test_layering.py: {fixed}"
+    assert not found, ("import cycles among the package's modules (move the shared piece down instead of "
+                       "hiding the import in a function):\n" + "\n".join(found.values()))
 
 
 def test_every_part_of_the_package_is_in_the_table():
