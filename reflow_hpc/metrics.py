@@ -2,13 +2,16 @@
 TensorBoard event files when ``metrics.tensorboard`` is on. Metric names are API: dashboards and
 the benchmarks read them.
 
-Per-step names written by the coordinator:
+Per-step names written by the coordinator (docs/api.md is the reference; every record also carries
+``time``, the Unix time the sink wrote it):
 
 | name | meaning |
 | --- | --- |
 | ``step``, ``version`` | optimizer steps done; policy version the batch was composed under |
+| ``mode`` | the run's ``reflow.mode`` |
 | ``throughput_tokens_per_s`` | tokens processed by the trainer in the step ÷ step wall time (paper §7.2) |
 | ``step_seconds`` | wall time since the previous step ended |
+| ``tokens`` | tokens the trainer processed in the step |
 | ``idle_ratio/trainer`` | fraction of the step the trainer replicas waited for their batch |
 | ``idle_ratio/rollout`` | fraction of the step the rollout workers had nothing in flight |
 | ``replay_fraction``, ``alpha`` | λ = replayed samples ÷ b, and α = τλ/(1−λ+τλ) |
@@ -19,10 +22,11 @@ Per-step names written by the coordinator:
 | ``sync_seconds`` | duration of the most recent weight sync (its slowest member) |
 | ``partial_rollouts`` | in-flight samples held at a sync and resumed under the new weights, so far |
 | ``rollout/generated_tokens_per_s`` | tokens the rollout workers generated in the step ÷ step wall time |
-| ``finish_reason/<reason>`` | finished samples so far by how generation ended (stop, length, turns) |
+| ``finish_reason/<reason>`` | finished samples so far by how generation ended (stop, length, turns, abort) |
 | ``samples/unused``, ``samples/replay`` | composition of the batch |
 | ``fetch_seconds`` | the slowest replica's time to fetch its samples from their owners |
-| ``buffer/*`` | replay-buffer gauges: ready, replay, training, pending, running, finished, one count per terminal reason, and ``evicted_unused`` (evicted stale before any training: generation spent for nothing) |
+| ``buffer/*`` | replay-buffer gauges after the step (``core.GAUGE_NAMES``): ready, replay, training, pending (queued or generating), finished, one count per terminal reason, ``evicted_unused`` (evicted stale before any training: generation spent for nothing), ``created``, ``trained_samples`` (distinct samples trained on) and ``replayed_uses`` (training uses beyond each sample's first) |
+| ``dispatch/budget`` | samples the ``b_max`` window still allows to dispatch in this step |
 | ``trainer/*`` | loss, pg_loss, kl, entropy, clip_fraction, grad_norm, lr, ... (replica mean; ``*max`` the largest, ``*_min`` the smallest) |
 | ``trainer/token_staleness_min``, ``trainer/token_staleness_max`` | over every token trained in the step: trainer version − the version that generated it (checked against the mode's guarantee by the trainer) |
 | ``rollout/concurrency_cap/<rank>`` | the concurrency cap in force on each rollout worker (the adaptive scheduler's) |
@@ -30,16 +34,19 @@ Per-step names written by the coordinator:
 | ``role_switch_seconds/to_trainer``, ``role_switch_seconds/to_rollout`` | the slowest worker's switch, each direction, in the step a switch completed |
 | ``role_switch/handed_off`` | samples a worker leaving rollout handed over to the others, in a step with a switch |
 | ``placement/mismatch`` | the placement planner's abs(log(fresh coverage / (1−σ)·b)) for the split in force |
+| ``gpu/util/<rank>``, ``gpu/mem_gib/<rank>``, ``gpu/power_w/<rank>`` | on CUDA with ``nvidia-ml-py``: each rank's device utilisation (%), memory in use (GiB) and power draw (W) |
 
 Evaluation records (``"kind": "eval"``; step records carry no kind), one per policy scored after the run
 (``reflow_hpc.evaluation``; ``run.eval_every_steps``):
 
 | name | meaning |
 | --- | --- |
+| ``kind`` | ``eval`` |
 | ``step``, ``version`` | the step after which the weights were taken (0: the starting policy) |
 | ``eval/elapsed_s`` | training time of the run when that step ended |
 | ``eval/task/reward``, ``eval/task/greedy`` | mean reward of ``run.eval_samples`` samples per task prompt never drawn in training, and greedy exact match |
 | ``eval/held_out/reward``, ``eval/held_out/greedy`` | the same on distinct held-out texts (the start and the final policy only) |
+| ``eval/<set>/prompts`` | prompts scored in each set (``task``, ``held_out``) |
 | ``eval/seconds`` | time the scoring took (after training, not on its clock) |
 """
 
