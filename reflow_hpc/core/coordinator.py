@@ -109,7 +109,7 @@ class Progress:
         """Training time at ``now``: this process set's (once ``started``), plus the earlier ones' before a resume."""
         return self.elapsed_before + max(0.0, now - self.started_at) if started else self.elapsed_before
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {"steps": self.done, "steps_target": self.steps, "train_seconds": self.train_seconds,
                 "stopped_early": self.stopped_early}
 
@@ -171,7 +171,7 @@ class Coordinator:
         out.phase = self.phase
         return out
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """The run's figures so far (at the end: the driver adds wall time and evaluation)."""
         accounting = self.index.accounting()
         return {**self.progress.summary(), "version": self.index.version, "mode": self.rules.mode,
@@ -181,7 +181,7 @@ class Coordinator:
                 **self.checkpoints.summary(), **self.resumed.summary(),
                 "accounting_ok": accounting["ok"], "accounting": accounting}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The coordinator's part of a checkpoint (plain JSON-able data)."""
         return {"format": COORDINATOR_STATE_FORMAT, "index": self.index.state_dict(), "steps_done": self.progress.done,
                 "next_prompt": self.dispatcher.next_prompt, "version": self.index.version,
@@ -190,7 +190,7 @@ class Coordinator:
                             "placements": [list(p) for p in self.pool.placements]},
                 "finish_reasons": dict(self.dispatcher.finish_reasons), "trainer_replicas": self.pool.replicas}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a checkpoint's state: samples in flight then end as aborted (but those it saved,
         which are continued), the rest is pooled again and reconciled with the workers' trajectory shards
         once they are ready."""

@@ -78,7 +78,7 @@ class GenerationScheduler:
         self.util = {w: 0.0 for w in workers}
         self.preempt_rate = {w: 0.0 for w in workers}
         self._last_preemptions = {w: 0 for w in workers}
-        self._last_control = {w: None for w in workers}
+        self._last_control: dict[int, float | None] = {w: None for w in workers}
         self.predicted_tokens = float(settings.initial_tokens)
 
     # -- inbound ------------------------------------------------------------------------------
