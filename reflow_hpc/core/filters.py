@@ -20,10 +20,9 @@ and select it with ``[reflow] replay_filter = "at_most_twice"``.
 from __future__ import annotations
 
 import abc
-from typing import Any
 
 from reflow_hpc.core.registry import Registered, Registry
-from reflow_hpc.core.sample import SampleRecord
+from reflow_hpc.core.sample import RewardBandRule, SampleRecord
 
 
 class ReplayFilter(Registered):
@@ -49,17 +48,10 @@ class AcceptAll(ReplayFilter):
 
 
 @register_replay_filter("reward_band")
-class RewardBand(ReplayFilter):
+class RewardBand(RewardBandRule, ReplayFilter):
     """Reinsert only samples whose reward lies strictly inside (reward_low, reward_high)."""
 
-    def __init__(self, reward_low: float = 0.0, reward_high: float = 1.0) -> None:
-        if not reward_low < reward_high:
-            raise ValueError(f"reward_band filter: reward_low ({reward_low}) must be < reward_high ({reward_high})")
-        self.reward_low, self.reward_high = reward_low, reward_high
-
-    @classmethod
-    def from_settings(cls, settings: Any) -> RewardBand:
-        return cls(settings.reward_low, settings.reward_high)
+    label = "reward_band filter"
 
     def accept(self, sample: SampleRecord) -> bool:
-        return self.reward_low < sample.reward < self.reward_high
+        return self.inside(sample)

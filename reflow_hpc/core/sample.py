@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 # Live states, in lifecycle order.
 PENDING = "pending"        # dispatched to a rollout worker (queued there or generating), not finished
@@ -77,6 +77,27 @@ class SampleRecord:
 
 
 ROW_FIELDS = tuple(SampleRecord.__dataclass_fields__)
+
+
+class RewardBandRule:
+    """A sample is kept when its reward lies strictly inside (reward_low, reward_high), the ``[reflow]``
+    keys of the same names: the rule of the ``reward_band`` filter and of the ``medium_reward`` sampler,
+    which list it before their base class."""
+
+    label: ClassVar[str] = "reward band"     # who applies the rule, in errors
+
+    def __init__(self, reward_low: float = 0.0, reward_high: float = 1.0) -> None:
+        super().__init__()
+        if not reward_low < reward_high:
+            raise ValueError(f"{self.label}: reward_low ({reward_low}) must be < reward_high ({reward_high})")
+        self.reward_low, self.reward_high = reward_low, reward_high
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Self:
+        return cls(settings.reward_low, settings.reward_high)
+
+    def inside(self, sample: SampleRecord) -> bool:
+        return self.reward_low < sample.reward < self.reward_high
 
 
 def check_finished(sample_id: int, reward: Any, min_version: Any, max_version: Any, loss_tokens: Any,

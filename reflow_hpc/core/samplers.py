@@ -32,7 +32,7 @@ import random
 from typing import Any, Mapping, Sequence
 
 from reflow_hpc.core.registry import Registered, Registry
-from reflow_hpc.core.sample import REPLAY, SampleRecord
+from reflow_hpc.core.sample import REPLAY, RewardBandRule, SampleRecord
 
 
 class Sampler(Registered):
@@ -130,22 +130,14 @@ class RandomSampler(PoolSampler):
 
 
 @register_sampler("medium_reward")
-class MediumRewardSampler(PoolSampler):
+class MediumRewardSampler(RewardBandRule, PoolSampler):
     """Only replay samples whose reward lies strictly inside (reward_low, reward_high): neither
     solved nor hopeless prompts. Uniform among those."""
 
-    def __init__(self, reward_low: float = 0.0, reward_high: float = 1.0) -> None:
-        super().__init__()
-        if not reward_low < reward_high:
-            raise ValueError(f"medium_reward sampler: reward_low ({reward_low}) must be < reward_high ({reward_high})")
-        self.reward_low, self.reward_high = reward_low, reward_high
-
-    @classmethod
-    def from_settings(cls, settings: Any) -> MediumRewardSampler:
-        return cls(settings.reward_low, settings.reward_high)
+    label = "medium_reward sampler"
 
     def eligible(self, sample: SampleRecord) -> bool:
-        return self.reward_low < sample.reward < self.reward_high
+        return self.inside(sample)
 
 
 def take_replay(sampler: Sampler, k: int, rng: random.Random,
