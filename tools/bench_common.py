@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from reflow_hpc.metrics import read_jsonl  # noqa: E402
+from reflow_hpc.sim.report import table  # noqa: E402,F401  (rows, [(header, key, format)]) -> right-aligned text
 
 
 def run(config: str, name: str, sets: list[str], out: Path, timeout: float) -> tuple[Path, list[dict], dict, float]:
@@ -54,15 +55,3 @@ def median(xs) -> float:
         return math.nan
     mid = len(xs) // 2
     return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
-def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
-    """Right-aligned text table; ``cols`` are (header, key, format)."""
-    def cell(row, key, fmt):
-        v = row.get(key)
-        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
-    data = [[h for h, _, _ in cols]] + [[cell(r, k, f) for _, k, f in cols] for r in rows]
-    widths = [max(len(line[i]) for line in data) for i in range(len(cols))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in data]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

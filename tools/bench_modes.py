@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from reflow_hpc.config import load  # noqa: E402
 from reflow_hpc.metrics import read_jsonl  # noqa: E402
+from reflow_hpc.sim.report import table as text_table  # noqa: E402
 
 MODES = ("sync", "one_step_off", "fully_async", "reflow")
 
@@ -146,25 +147,18 @@ def _time_split(measured: list[dict]) -> dict:
     }
 
 
+COLUMNS = [("system", "system", "{}"), ("mode", "mode", "{}"), ("tok/s", "throughput_tokens_per_s", "{:.0f}"),
+           ("idle T", "idle_ratio/trainer", "{:.1%}"), ("idle R", "idle_ratio/rollout", "{:.1%}"),
+           ("replay", "replay_fraction", "{:.2f}"), ("staleness", "token_staleness", "{0[0]}..{0[1]}"),
+           ("reward first", "reward_first_steps", "{:.3f}"),
+           ("reward last", "reward_last_steps", "{:.3f}"), ("eval start", "eval/task/start_reward", "{:.3f}"),
+           ("eval final", "eval/task/final_reward", "{:.3f}"), ("held-out", "eval/held_out/final_reward", "{:.3f}"),
+           ("train s", "train_seconds", "{:.1f}"),
+           ("wall s", "wall_seconds", "{:.1f}")]
+
+
 def table(rows: list[dict]) -> str:
-    cols = [("system", "system", "{}"), ("mode", "mode", "{}"), ("tok/s", "throughput_tokens_per_s", "{:.0f}"),
-            ("idle T", "idle_ratio/trainer", "{:.1%}"), ("idle R", "idle_ratio/rollout", "{:.1%}"),
-            ("replay", "replay_fraction", "{:.2f}"), ("staleness", "token_staleness", "{0[0]}..{0[1]}"),
-            ("reward first", "reward_first_steps", "{:.3f}"),
-            ("reward last", "reward_last_steps", "{:.3f}"), ("eval start", "eval/task/start_reward", "{:.3f}"),
-            ("eval final", "eval/task/final_reward", "{:.3f}"), ("held-out", "eval/held_out/final_reward", "{:.3f}"),
-            ("train s", "train_seconds", "{:.1f}"),
-            ("wall s", "wall_seconds", "{:.1f}")]
-    def cell(row, key, fmt):
-        v = row.get(key)
-        if v is None or (isinstance(v, float) and math.isnan(v)):
-            return "-"
-        return fmt.format(v)
-    data = [[h for h, _, _ in cols]] + [[cell(r, k, f) for _, k, f in cols] for r in rows]
-    widths = [max(len(line[i]) for line in data) for i in range(len(cols))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in data]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(rows, COLUMNS)
 
 
 def main(argv: list[str] | None = None) -> int:
