@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +32,22 @@ def run_cmd(args: list[str], *, timeout: float = 180, env: dict | None = None, c
 
 def python_m(module: str, *args: str, **kw) -> subprocess.CompletedProcess:
     return run_cmd([sys.executable, "-m", module, *args], **kw)
+
+
+def run_mpi(program: str, *args: str, ranks: int = 4, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """``mpiexec -n ranks python tests/helpers/<program> args`` in its own process group, stdout and
+    stderr together; on a timeout the whole group is killed (ranks included, not only mpiexec) and the
+    test fails with the end of the output."""
+    proc = subprocess.Popen([shutil.which("mpiexec") or "mpiexec", "-n", str(ranks), sys.executable,
+                             str(HELPERS / program), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{program} did not finish within {timeout} s:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 @pytest.fixture(scope="module")

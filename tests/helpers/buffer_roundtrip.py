@@ -50,6 +50,7 @@ from reflow_hpc.storage.fetch import FetchClient, FetchServer  # noqa: E402
 from reflow_hpc.storage.reader import ShardReader  # noqa: E402
 from reflow_hpc.storage.store import SampleStore  # noqa: E402
 from reflow_hpc.trajectory import NOT_GENERATED, Trajectory  # noqa: E402
+from storage_samples import difference  # noqa: E402
 
 # Control channel (its own Dup of COMM_WORLD, apart from the data plane of the fetches).
 TAG_COMMAND = 21        # rank 0 → producer: dispatch, version, release, stop
@@ -105,23 +106,6 @@ def make_sample(seed: int, sample_id: int, group_id: int, prompt_id: int, chunk_
                       logprobs=logprobs, versions=versions, prompt_len=prompt_len, reward=reward,
                       finish_reason="length" if response_len >= 200 else "stop", owner=owner,
                       meta={"producer": owner, "chunks": len(chunk_versions)})
-
-
-def difference(want: Trajectory, got: Trajectory) -> str | None:
-    """None when `got` is bit-for-bit `want`; else what differs, with numbers."""
-    for name in ("tokens", "logprobs", "versions"):
-        x, y = getattr(want, name), getattr(got, name)
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return f"{name}: {y.dtype}{list(y.shape)} received, {x.dtype}{list(x.shape)} expected"
-        if x.tobytes() != y.tobytes():
-            k = int(np.flatnonzero(x.view(np.uint32) != y.view(np.uint32))[0])
-            return f"{name}[{k}] = {y[k]!r} received, {x[k]!r} expected"
-    for name in ("sample_id", "group_id", "prompt_id", "prompt_len", "finish_reason", "owner", "meta"):
-        if getattr(want, name) != getattr(got, name):
-            return f"{name} = {getattr(got, name)!r} received, {getattr(want, name)!r} expected"
-    if np.float64(want.reward).tobytes() != np.float64(got.reward).tobytes():
-        return f"reward = {got.reward!r} received, {want.reward!r} expected"
-    return None
 
 
 class CountingStore(SampleStore):

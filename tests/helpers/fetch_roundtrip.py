@@ -18,7 +18,7 @@ mpi4py.rc.thread_level = "multiple"
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from storage_samples import make_sample, same, sample_id  # noqa: E402
+from storage_samples import difference, make_sample, sample_id  # noqa: E402
 
 from reflow_hpc.config import StorageConfig  # noqa: E402
 from reflow_hpc.storage import SampleStore  # noqa: E402
@@ -59,9 +59,9 @@ def main() -> int:
                 if sid not in got:
                     failures.append(f"rank {rank}: sample {sid} of rank {owner} missing")
                     continue
-                diff = same(make_sample(args.seed, owner, i), got[sid])
+                diff = difference(make_sample(args.seed, owner, i), got[sid])
                 if diff:
-                    failures.append(f"rank {rank}: {diff}")
+                    failures.append(f"rank {rank}: sample {sid}: {diff}")
                 checked[0] += 1
 
     def fetch_all() -> None:

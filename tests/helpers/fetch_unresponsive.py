@@ -22,7 +22,7 @@ mpi4py.rc.thread_level = "multiple"
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from storage_samples import make_sample, same, sample_id  # noqa: E402
+from storage_samples import difference, make_sample, sample_id  # noqa: E402
 
 from reflow_hpc.config import StorageConfig  # noqa: E402
 from reflow_hpc.storage import SampleStore  # noqa: E402
@@ -63,7 +63,7 @@ def main() -> int:
         client.fetch(ids)
         print("FAIL fetch from unresponsive ranks returned", flush=True)
     except FetchTimeout as e:
-        bad = [d for i in ids[1] for d in [same(make_sample(1, 1, i - sample_id(1, 0)), e.partial[i])] if d]
+        bad = [d for i in ids[1] for d in [difference(make_sample(1, 1, i - sample_id(1, 0)), e.partial[i])] if d]
         print(f"TIMEOUT1 after {time.monotonic() - t0:.2f} s ranks={e.ranks} partial={len(e.partial)} "
               f"partial_ok={not bad}: {e}", flush=True)
     t0 = time.monotonic()

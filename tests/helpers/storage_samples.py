@@ -42,15 +42,20 @@ def make_sample(seed: int, owner: int, index: int, *, max_len: int = 300) -> Tra
         owner=owner, meta={} if index % 3 == 0 else {"answer": f"{index}", "note": "ünïcode ✓", "turns": [1, 2]})
 
 
-def same(a: Trajectory, b: Trajectory) -> str | None:
-    """None when a and b are bit-for-bit equal; otherwise what differs."""
+def difference(want: Trajectory, got: Trajectory) -> str | None:
+    """None when ``got`` is bit-for-bit ``want``; else the first field that differs, with both values
+    (for an array, its first differing element)."""
     for name in ("tokens", "logprobs", "versions"):
-        x, y = getattr(a, name), getattr(b, name)
-        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
-            return f"sample {a.sample_id}: {name} differ"
+        x, y = getattr(want, name), getattr(got, name)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return f"{name}: {y.dtype}{list(y.shape)} received, {x.dtype}{list(x.shape)} expected"
+        if x.tobytes() != y.tobytes():
+            xb, yb = (np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(a.size, -1) for a in (x, y))
+            k = int(np.flatnonzero((xb != yb).any(axis=1))[0])
+            return f"{name}[{k}] = {y.flat[k]!r} received, {x.flat[k]!r} expected"
     for name in ("sample_id", "group_id", "prompt_id", "prompt_len", "finish_reason", "owner", "meta"):
-        if getattr(a, name) != getattr(b, name):
-            return f"sample {a.sample_id}: {name} {getattr(a, name)!r} != {getattr(b, name)!r}"
-    if np.float64(a.reward).tobytes() != np.float64(b.reward).tobytes():
-        return f"sample {a.sample_id}: reward {a.reward!r} != {b.reward!r}"
+        if getattr(want, name) != getattr(got, name):
+            return f"{name} = {getattr(got, name)!r} received, {getattr(want, name)!r} expected"
+    if np.float64(want.reward).tobytes() != np.float64(got.reward).tobytes():
+        return f"reward = {got.reward!r} received, {want.reward!r} expected"
     return None

@@ -8,15 +8,12 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, HELPERS, leftover_processes, alive
+from conftest import alive, leftover_processes, run_mpi
 
 MPIEXEC = shutil.which("mpiexec")
 STEPS, BATCH_SIZE, SIGMA, DELTA = 40, 8, 0.5, 1
@@ -25,18 +22,9 @@ pytestmark = [pytest.mark.mpi, pytest.mark.skipif(MPIEXEC is None, reason="mpiex
 
 
 def run_roundtrip(directory: Path, *args: str, timeout: float = 150.0) -> tuple[int, str]:
-    """mpiexec -n 4 buffer_roundtrip.py in its own process group; the group is killed on timeout."""
-    proc = subprocess.Popen([MPIEXEC, "-n", "4", sys.executable, str(HELPERS / "buffer_roundtrip.py"),
-                             str(directory), "--steps", str(STEPS), *args],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"buffer_roundtrip.py did not finish within {timeout} s:\n{out[-6000:]}")
-    return proc.returncode, out
+    """mpiexec -n 4 buffer_roundtrip.py; its output, and the test fails on a timeout."""
+    res = run_mpi("buffer_roundtrip.py", str(directory), "--steps", str(STEPS), *args, timeout=timeout)
+    return res.returncode, res.stdout
 
 
 def test_replay_buffer_roundtrip_over_four_ranks(tmp_path):

@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from conftest import HELPERS, alive
+from conftest import alive, run_mpi
 
 MPIEXEC = shutil.which("mpiexec")
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not on PATH")]
-
-
-def run_mpi(script: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    """Run `script` under `mpiexec -n 4` in its own process group; kill the group on timeout."""
-    proc = subprocess.Popen([MPIEXEC, "-n", "4", sys.executable, str(HELPERS / script), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{script} did not finish within {timeout} s:\n{out}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 def test_every_rank_fetches_every_other_rank_bit_for_bit(tmp_path):

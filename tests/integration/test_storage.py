@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
-from storage_samples import make_sample, same, sample_id  # noqa: E402
+from storage_samples import difference, make_sample, sample_id  # noqa: E402
 
 from reflow_hpc.config import StorageConfig
 from reflow_hpc.storage import (LostSampleError, SampleStore, ShardReader, StorageError, UnknownSampleError,
@@ -33,7 +33,7 @@ def samples(n: int, seed: int = 0, start: int = 0, **kw) -> list[Trajectory]:
 
 def assert_same(expected: list[Trajectory], got: list[Trajectory]) -> None:
     assert len(expected) == len(got)
-    diffs = [d for a, b in zip(expected, got) if (d := same(a, b))]
+    diffs = [f"sample {a.sample_id}: {d}" for a, b in zip(expected, got) if (d := difference(a, b))]
     assert not diffs, diffs[:5]
 
 
