@@ -368,26 +368,13 @@ def test_sleep_and_wake_resume_the_same_samples(weights):
 # Errors and construction
 # --------------------------------------------------------------------------------------------
 
-def test_bad_input_gets_a_one_line_error(weights):
+def test_bad_settings_get_a_one_line_error(weights):
+    """What this engine refuses beyond the requests and weights every engine refuses (the conformance
+    suite, tests/helpers/engine_conformance.py, runs those here too)."""
     engine = engine_with(weights[0], max_model_len=32, kv_budget_tokens=64)
-    engine.add(Request(1, np.arange(3, dtype=np.int32)))
-    cases = [
-        (Request(1, np.arange(3, dtype=np.int32)), "request 1: .*already"),
-        (Request(2, np.zeros(0, np.int32)), "request 2: prompt must be a non-empty"),
-        (Request(3, np.array([1, VOCAB], np.int32)), r"request 3: token ids must be in \[0, 100\)"),
-        (Request(4, np.zeros(33, np.int32)), "request 4: .*33 tokens exceeds rollout.max_model_len"),
-        (Request(5, np.arange(3, dtype=np.int32), SamplingParams(top_p=0.0)), "request 5: top_p"),
-        (Request(6, np.arange(3, dtype=np.int32), response_prefix=np.arange(2), prefix_logprobs=np.zeros(3)),
-         "request 6: response_prefix has 2 tokens"),
-    ]
-    for req, pattern in cases:
-        with pytest.raises(ValueError, match=pattern) as e:
-            engine.add(req)
-        assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="unknown tensor 'model.nope'"):
-        engine.load_weights({"model.nope": torch.zeros(1)}, version=1)
-    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(3,\)"):
-        engine.load_weights([("model.norm.weight", torch.zeros(3))], version=1)
+    with pytest.raises(ValueError, match="request 5: top_p") as e:
+        engine.add(Request(5, np.arange(3, dtype=np.int32), SamplingParams(top_p=0.0)))
+    assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="rollout.max_model_len = 300: must be ≤ rollout.kv_budget_tokens"):
         engine_with(weights[0], max_model_len=300, kv_budget_tokens=200)
     with pytest.raises(ValueError, match="max_position_embeddings"):
