@@ -63,7 +63,8 @@ The coordinator calls the events below as worker messages arrive and acts on wha
 the simulator calls the same events from its event queue. Events that end samples return
 :class:`Release` commands: the rank named may free the payload (``has_payload``) or stop generating.
 :class:`ReplayIndex` is a façade over the parts named above, which know nothing of one another
-except that the pool tells the sampler and the accounting what happens to samples.
+except that the pool tells the sampler and the accounting what happens to samples, and that the
+checkpoint code reads and writes them all (handed over as ``index_state.IndexParts``, never the façade).
 """
 
 from __future__ import annotations
@@ -126,9 +127,10 @@ class ReplayIndex:
         self._samples, self._count = self._pool.samples, self._pool.count    # the pool's own, for O(1) queries
         self._recover_open = True                              # until the first new_group
         # The hottest calls go straight to the part that answers them, with no façade call in between
-        # (the methods of the same names below document them and do the same).
-        self.finished = self._pool.finished             # type: ignore[method-assign]  # same signature
-        self.batch_ready = self._composer.ready         # type: ignore[method-assign]  # same signature
+        # (the methods of the same names below document them and do the same). Replacing a method per
+        # instance is deliberate here (mypy's method-assign); the signatures are the same.
+        self.finished = self._pool.finished             # type: ignore[method-assign]
+        self.batch_ready = self._composer.ready         # type: ignore[method-assign]
 
     # ------------------------------------------------------------------------------------------
     # Queries
