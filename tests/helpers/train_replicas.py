@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reflow_hpc.comm import mpi  # noqa: E402
+from gloo_ranks import start_ranks  # noqa: E402
 
 
 def main() -> None:
@@ -31,18 +31,16 @@ def main() -> None:
     ap.add_argument("--absent-timeout", type=float, default=4.0)
     args = ap.parse_args()
 
-    MPI = mpi.init()
+    MPI = start_ranks(args.timeout)
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     import torch
     import torch.distributed as dist
 
-    from reflow_hpc.comm.dist import CollectiveError, init_process_group
+    from reflow_hpc.comm.dist import CollectiveError
     from reflow_hpc.train.trainer import Trainer
     from train_common import loss_tokens, make_batch, make_config, max_param_diff, params_digest, tiny_model
 
-    torch.set_num_threads(1)
-    init_process_group(comm, device="cpu", single_host=True, timeout_s=args.timeout)
     group = dist.new_group([0, 1])
     dtype = getattr(torch, args.dtype)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reflow_hpc.comm import mpi  # noqa: E402
+from gloo_ranks import start_ranks  # noqa: E402
 
 KEYS = ("loss", "pg_loss", "grad_norm", "clip_fraction", "ratio/mean", "ratio/max", "approx_kl", "entropy",
         "tokens", "loss_tokens", "samples", "replay_samples", "weights/mean", "lr")
@@ -58,19 +58,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    MPI = mpi.init()
+    MPI = start_ranks(args.timeout)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     import torch
 
     from reflow_hpc.comm.dims import ParallelDims
-    from reflow_hpc.comm.dist import init_process_group
     from reflow_hpc.comm.groups import ProcessGroups
     from reflow_hpc.train.trainer import Trainer
     from train_common import loss_tokens, make_batch, make_config, tiny_model
 
-    torch.set_num_threads(1)
-    init_process_group(comm, device="cpu", single_host=True, timeout_s=args.timeout)
     dtype = getattr(torch, args.dtype)
     # Every rank trains (s_T = 2); with four ranks the split of one replica is prepared too, for its
     # weight-sync group (rank 0 to ranks 2 and 3).

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reflow_hpc.comm import mpi  # noqa: E402
+from gloo_ranks import start_ranks  # noqa: E402
 
 
 def main() -> None:
@@ -33,20 +33,17 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=5.0)
     args = ap.parse_args()
 
-    MPI = mpi.init()
+    MPI = start_ranks(60)
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    import torch
     import torch.distributed as dist
 
     from reflow_hpc.rollout.torch_engine import TorchEngine
-    from reflow_hpc.comm.dist import CollectiveError, init_process_group
+    from reflow_hpc.comm.dist import CollectiveError
     from reflow_hpc.train.trainer import Trainer
     from reflow_hpc.train.weight_sync import WeightSync, WeightSyncMismatch
     from train_common import loss_tokens, make_batch, make_config, params_digest, tiny_model
 
-    torch.set_num_threads(1)
-    init_process_group(comm, device="cpu", single_host=True, timeout_s=60)
     group = dist.new_group([0, 1, 2])      # no timeout of its own: the sync's timeout_s must bound every wait
     out: dict = {"rank": rank}
 
