@@ -125,13 +125,13 @@ class Progress:
         if budget and not self.stopped_early and self.elapsed(now, True) >= budget:
             self.stop = f"time budget of {budget:g} s spent"
 
-    def stopping(self, training: bool) -> str:
+    def stopping(self, training: bool) -> list[str]:
         """Act on the stop asked for: the run ends after the step in flight (``training``); the notice to
         give, the first time."""
-        notice = "" if self.stopped_early else f"{self.stop}: finishing the current step and checkpointing"
+        notices = [] if self.stopped_early else [f"{self.stop}: finishing the current step and checkpointing"]
         self.stopped_early, self.stop = self.stopped_early or self.stop, ""
         self.steps = min(self.steps, self.done + (1 if training else 0))
-        return notice
+        return notices
 
 
 class Coordinator:
@@ -143,8 +143,8 @@ class Coordinator:
         _check_pools(settings, index, trainers, rollouts, world)
         self.settings, self.rules, self.index = settings, settings.rules, index
         workers = list(range(world))
-        self.pool = ElasticPool(workers, trainers, rollouts, replica_size=settings.replica_size,
-                                tp=settings.rollout_tp, planner=settings.placement, schedule=settings.placement_schedule)
+        self.pool = ElasticPool(workers, trainers, rollouts, replica_size=settings.replica_size, tp=settings.rollout_tp,
+                                planner=settings.placement, schedule=settings.placement_schedule)
         self.dispatcher = Dispatcher(workers, GenerationScheduler(
             settings.scheduling, list(rollouts), cap_max=settings.cap_max, kv_budget=settings.kv_budget))
         self.training = TrainingStep(workers)
@@ -155,15 +155,17 @@ class Coordinator:
         self.progress = Progress(settings.steps)
         self.phase = Phase.NEW
         self._out = Outputs(self.phase)
-        self._handlers: dict[type, Callable[[Any], None]] = {t: getattr(self, name) for t, name in _HANDLERS.items()}
+        self._handlers: dict[type, tuple[Callable[[Any], None], bool]] = {    # and: from a worker (alive)?
+            t: (getattr(self, name), t in _FROM_WORKERS) for t, name in _HANDLERS.items()}
 
     def handle(self, event: Any) -> Outputs:
         """Everything ``event`` leads to (module docstring)."""
         out = self._out = Outputs(self.phase)
-        handler = self._handlers.get(type(event))
-        if handler is None:
+        entry = self._handlers.get(type(event))
+        if entry is None:
             raise TypeError(f"coordinator: no event {type(event).__name__} (events: reflow_hpc.core.events)")
-        if type(event) in _FROM_WORKERS:
+        handler, from_worker = entry
+        if from_worker:
             self.liveness.heard(event.worker, event.now)
         handler(event)
         if self.settings.check_invariants:
@@ -186,14 +188,13 @@ class Coordinator:
         return {"format": COORDINATOR_STATE_FORMAT, "index": self.index.state_dict(), "steps_done": self.progress.done,
                 "next_prompt": self.dispatcher.next_prompt, "version": self.index.version,
                 "history": {"fresh_rewards": list(self.training.fresh_rewards),
-                            "elapsed_s": self._elapsed(self.training.last_step_end),
+                            "elapsed_s": self.progress.elapsed(self.training.last_step_end, self.phase.started),
                             "placements": [list(p) for p in self.pool.placements]},
                 "finish_reasons": dict(self.dispatcher.finish_reasons), "trainer_replicas": self.pool.replicas}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from a checkpoint's state: samples in flight then end as aborted (but those it saved,
-        which are continued), the rest is pooled again and reconciled with the workers' trajectory shards
-        once they are ready."""
+        """Resume from a checkpoint's state: samples in flight end as aborted (but those it saved go on), the
+        rest is pooled again, to be reconciled with the workers' trajectory shards once they are ready."""
         if state.get("format", COORDINATOR_STATE_FORMAT) != COORDINATOR_STATE_FORMAT:
             raise ValueError(f"coordinator state: format {state.get('format')!r}, expected {COORDINATOR_STATE_FORMAT}")
         history, p = state.get("history", {}), self.progress
@@ -230,7 +231,7 @@ class Coordinator:
         else:
             self._advance(e.now)
         if resumed.path is not None:
-            self._out.notices.append(resumed.notice(self.index.gauges()))
+            self._out.add("notices", resumed.notice(self.index.gauges()))
 
     def _tick(self, e: ev.Tick) -> None:
         self.liveness.check(e.now, setup=self.phase is Phase.SETUP, running=self.phase.started)
@@ -247,7 +248,8 @@ class Coordinator:
     def _stop(self, now: float) -> None:
         """Finish the step in flight, sync, checkpoint (with what is being generated), end."""
         p, training = self.progress, self.training.batch is not None
-        self._out.notices += filter(None, [p.stopping(training)])
+        for notice in p.stopping(training):
+            self._out.add("notices", notice)
         if not training:
             self._snapshot(now)              # the policy the run ends with is scored (no step will end)
             if p.done % self.settings.sync_every != 0:
@@ -256,39 +258,40 @@ class Coordinator:
 
     def _heartbeat(self, e: ev.Heartbeat) -> None:
         self.training.progress(e.worker, e.idle_s, e.generated_tokens)
-        if e.load is not None:
-            self._engine_load(e.worker, e.load, e.now)
+        self._engine_load(e.worker, e.load, e.now)
 
-    def _engine_load(self, worker: int, load: EngineLoad, now: float) -> None:
-        cap = self.dispatcher.load(worker, load, now) if worker in self.pool.rollouts and not self.rules.colocated \
-            else None
+    def _engine_load(self, worker: int, load: EngineLoad | None, now: float) -> None:
+        cap = self.dispatcher.load(worker, load, now) \
+            if load is not None and worker in self.pool.rollouts and not self.rules.colocated else None
         if cap is not None:
             self._out.commands.append(cap)
             self._advance(now)                   # a higher cap admits more
 
     def _samples_finished(self, e: ev.SamplesFinished) -> None:
-        self.training.progress(e.worker, e.idle_s, e.generated_tokens)
-        log, now = self.settings.event_log, e.now
-        for s in e.samples:
+        worker, now, samples, idle_s, generated, load = e
+        self.training.progress(worker, idle_s, generated)
+        log, finished = self.settings.event_log, self.dispatcher.finished
+        for s in samples:
             if log:                              # (the arguments alone cost a simulated sample ~10 %)
-                self._log(now, "finish", id=s.sample_id, w=e.worker, reward=s.reward, span=[s.min_version,
-                          s.max_version], tokens=s.loss_tokens, reason=s.finish_reason, loc=s.location)
-            releases = self.dispatcher.finished(e.worker, s, self.index, now)
+                sid, reward, lo, hi, tokens, reason, location, _ = s
+                self._log(now, "finish", id=sid, w=worker, reward=reward, span=[lo, hi], tokens=tokens, reason=reason,
+                          loc=location)
+            releases = finished(worker, s, self.index, now)
             if releases is None:
                 continue                         # it had ended while in flight
             self.training.produced += 1
             if releases:
                 self._releases(now, releases)
             self._advance(now)
-        if e.load is not None:
-            self._engine_load(e.worker, e.load, now)
+        if load is not None:
+            self._engine_load(worker, load, now)
 
     def _samples_failed(self, e: ev.SamplesFailed) -> None:
         for sid in e.sample_ids:
             self._log(e.now, "failed", id=sid, w=e.worker)
             self._releases(e.now, self.dispatcher.failed(sid, self.index, e.now))
             self._advance(e.now)
-        self._out.notices.append(f"rank {e.worker}: {len(e.sample_ids)} sample(s) failed: {e.error}")
+        self._out.add("notices", f"rank {e.worker}: {len(e.sample_ids)} sample(s) failed: {e.error}")
 
     def _step_done(self, e: ev.StepDone) -> None:
         batch = self.training.reported(e.worker, e.step, e.stats, e.idle_s, e.fetch_s)
@@ -303,7 +306,7 @@ class Coordinator:
                                    partial_rollouts=self.weight_sync.partial_rollouts, gauges=self.index.gauges(),
                                    concurrency_caps=self.dispatcher.caps(pool.rollouts), roles=pool.roles(),
                                    finish_reasons=dict(self.dispatcher.finish_reasons))
-        self._out.steps.append(rec)
+        self._out.add("steps", rec)
         pool.plan(rec, steps_done=p.done, steps=p.steps, replays=self.rules.replays)
         every = self.settings.eval_every
         if (every and p.done % every == 0) or p.done >= p.steps:
@@ -340,33 +343,33 @@ class Coordinator:
                                      steps=self.progress.steps, index=self.index)
         if c is not None:
             self.phase = Phase.RUNNING
-            self._out.checkpoints.append((c.tag, c.step, c.path))
+            self._out.add("checkpoints", (c.tag, c.step, c.path))
             self._log(e.now, "checkpoint", step=c.step, tag=c.tag, path=c.path)
             self._advance(e.now)
 
-    def _advance(self, now: float) -> None:
-        sync = self.weight_sync
-        if self.phase is Phase.RUNNING and self.pool.pending is not None and self._switch(now):
+    def _advance(self, now: float) -> None:   # (hot: after most events; the cheap tests come first)
+        sync, phase, colocated, training = self.weight_sync, self.phase, self.rules.colocated, self.training
+        if phase is _RUNNING and self.pool.pending is not None and self._switch(now):
             return
-        if self.phase is not Phase.RUNNING and self.phase is not Phase.CHECKPOINTING:
+        if phase is not _RUNNING and phase is not _CHECKPOINTING:
             return                               # not started, switching or finished: nothing moves
         if sync.due:
             self._maybe_sync(now)
-        if self.phase is Phase.CHECKPOINTING:
+        if self.phase is _CHECKPOINTING:
             self._out.commands += self.checkpoints.progress()
             return                               # a consistent snapshot: nothing moves meanwhile
-        if sync.in_flight and self.rules.colocated:
+        if colocated and sync.in_flight:
             return                               # colocated loads finish first
-        if self._maybe_checkpoint(now):
+        if training.batch is None and not sync.due and self._maybe_checkpoint(now):
             return
         if self.progress.done >= self.progress.steps:
-            if not sync.due and not sync.in_flight and self.training.batch is None:
+            if not sync.due and not sync.in_flight and training.batch is None:
                 self._finish(now)
             return
-        if self.training.batch is None and not (self.rules.colocated and self.index.outstanding):
-            self._out.commands += self.training.compose(self.index, self.pool.trainers, now,
-                                                        self._log if self.settings.event_log else None)
-        if not (self.rules.colocated and self.training.batch is not None) and self.index.can_dispatch_group():
+        if training.batch is None and not (colocated and self.index.outstanding):
+            self._out.commands += training.compose(self.index, self.pool.trainers, now,
+                                                   self._log if self.settings.event_log else None)
+        if not (colocated and training.batch is not None) and self.index.can_dispatch_group():
             self._out.commands += self.dispatcher.dispatch(self.index, self.pool.rollouts, now,
                                                            self._log if self.settings.event_log else None)
 
@@ -390,9 +393,9 @@ class Coordinator:
         self._log(now, "sync", group=group)
         self._out.commands += commands
 
-    def _maybe_checkpoint(self, now: float) -> bool:
+    def _maybe_checkpoint(self, now: float) -> bool:   # (between steps: no batch trains, no sync is due)
         p, pool, checkpoints = self.progress, self.pool, self.checkpoints
-        if self.training.batch is not None or self.weight_sync.due or not checkpoints.due(p.done, p.steps):
+        if not checkpoints.due(p.done, p.steps):
             return False
         # A run that stops early keeps what is being generated: it is saved in phase 1.
         partials = bool(p.done >= p.steps and p.stopped_early and self.index.outstanding)
@@ -405,26 +408,23 @@ class Coordinator:
 
     def _snapshot(self, now: float) -> None:
         if self.progress.snapshot_due():               # the first replica gathers, its first worker saves
-            self._out.commands += [Snapshot(w, self.progress.done, self.index.version, self._elapsed(now))
+            elapsed = self.progress.elapsed(now, self.phase.started)
+            self._out.commands += [Snapshot(w, self.progress.done, self.index.version, elapsed)
                                    for w in self.pool.trainers[:self.pool.replica_size]]
 
     def _finish(self, now: float) -> None:
-        self.progress.train_seconds = self._elapsed(now)
+        self.progress.train_seconds = self.progress.elapsed(now, True)
         # A run that stops early keeps its live samples in the final checkpoint (the buffered ones and the
         # partial responses saved in it): the resumed run continues them and the event log ends them there.
-        kept = self.checkpoints.kept
-        self._releases(now, self.index.abort([sid for sid in self.index.live_ids() if sid not in kept]))
+        self._releases(now, self.index.abort([s for s in self.index.live_ids() if s not in self.checkpoints.kept]))
         self.dispatcher.abandon()
         self.phase = Phase.FINISHED
         self.index.check_accounting()
 
-    def _elapsed(self, now: float) -> float:
-        return self.progress.elapsed(now, self.phase.started)
-
     def _log(self, now: float, event: str, **fields: Any) -> None:
         """One line of the event log (``events.jsonl``; schema in docs/storage.md)."""
         if self.settings.event_log:
-            self._out.log.append({"t": now, "e": event, "v": self.index.version, **fields})
+            self._out.add("log", {"t": now, "e": event, "v": self.index.version, **fields})
 
     def _log_ends(self, now: float, releases: list[Release]) -> None:
         if self.settings.event_log:
@@ -441,6 +441,7 @@ _HANDLERS = {ev.Start: "_start", ev.Tick: "_tick", ev.Stop: "_stop_requested", e
              ev.StepDone: "_step_done", ev.WeightsLoaded: "_weights_loaded", ev.Switched: "_switched",
              ev.TrajectoriesFlushed: "_flushed", ev.CheckpointWritten: "_written"}
 _FROM_WORKERS = frozenset(ev.WORKER_EVENTS)
+_RUNNING, _CHECKPOINTING = Phase.RUNNING, Phase.CHECKPOINTING
 
 
 def _check_pools(settings: Settings, index: ReplayIndex, trainers: list[int], rollouts: list[int],

@@ -51,7 +51,7 @@ class Dispatcher:
         per_worker: dict[int, list[DispatchedSample]] = {}
         outstanding, choose = self.outstanding, self.generation.choose
         while index.can_dispatch_group():
-            worker = choose({w: outstanding[w] for w in rollouts}, n)
+            worker = choose(outstanding, n, rollouts)
             if worker is None:
                 break
             group = index.new_group(self.next_prompt, now=now, worker=worker)
@@ -74,7 +74,7 @@ class Dispatcher:
             if sid not in index or index.sample(sid).state not in GENERATING:
                 continue                         # it ended meanwhile (cancelled, shut down)
             rec = index.sample(sid)
-            worker = self.generation.choose({w: self.outstanding[w] for w in rollouts}, 1) \
+            worker = self.generation.choose(self.outstanding, 1, rollouts) \
                 or min(rollouts, key=lambda w: (self.outstanding[w], w))
             self.forget(sid)
             index.reassign(sid, worker)
@@ -87,19 +87,20 @@ class Dispatcher:
 
     # -- how generation ends ---------------------------------------------------------------------
 
-    def finished(self, worker: int, s: FinishedSample, index: ReplayIndex, now: float) -> list[Release] | None:
+    def finished(self, worker: int, s: FinishedSample | tuple[int, float, int, int, int, str, Any, int],
+                 index: ReplayIndex, now: float) -> list[Release] | None:
         """``s`` finished on ``worker``: the samples the index ends with it, None when it had ended already
         (cancelled while in flight, shut down)."""
-        sid = s.sample_id
-        owner = self.generating.pop(sid, None)          # (forget, inlined: once per sample)
+        sid, reward, lo, hi, tokens, reason, location, total = s    # (once per sample: one unpacking)
+        owner = self.generating.pop(sid, None)          # (forget, inlined)
         if owner is not None:
             self.outstanding[owner] -= 1
-        self.finish_reasons[s.finish_reason] = self.finish_reasons.get(s.finish_reason, 0) + 1
-        self.generation.finished(s.total_tokens or s.loss_tokens)
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+        self.generation.finished(total or tokens)
         if sid not in index:
             return None
-        return index.finished(sid, owner=worker, reward=s.reward, min_version=s.min_version,
-                              max_version=s.max_version, loss_tokens=s.loss_tokens, now=now, location=s.location)
+        return index.finished(sid, owner=worker, reward=reward, min_version=lo, max_version=hi, loss_tokens=tokens,
+                              now=now, location=location)
 
     def failed(self, sid: int, index: ReplayIndex, now: float) -> list[Release]:
         self.forget(sid)

@@ -52,7 +52,9 @@ class Ready(NamedTuple):
 
 
 class FinishedSample(NamedTuple):
-    """One sample whose generation ended (an item of :class:`SamplesFinished`)."""
+    """One sample whose generation ended (an item of :class:`SamplesFinished`). The coordinator reads
+    it by position, so a plain tuple of these fields in this order will do (the simulator's: a named
+    tuple costs several times a plain one to make, once per simulated sample)."""
     sample_id: int
     reward: float
     min_version: int
@@ -67,7 +69,7 @@ class SamplesFinished(NamedTuple):
     """Samples ``worker`` finished (it holds their payloads), with its rollout progress and load."""
     worker: int
     now: float
-    samples: Sequence[FinishedSample]
+    samples: Sequence[FinishedSample | tuple[int, float, int, int, int, str, Any, int]]
     idle_s: float = 0.0
     generated_tokens: int = 0
     load: EngineLoad | None = None

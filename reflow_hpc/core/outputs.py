@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from .index import Batch
 from .phase import Phase
@@ -50,17 +50,30 @@ class StepRecord:
     placement_mismatch: float = math.nan   # the planner's |log(coverage / target)| of the split in force
 
 
+_NOTHING: tuple[()] = ()
+
+
 class Outputs:
-    """Everything one event produced (module docstring)."""
+    """Everything one event produced (module docstring). The rarer outputs start as one shared empty
+    tuple and become lists when something is added: the simulator makes an Outputs per event, and
+    there each allocation costs its share of the garbage collector's passes."""
     __slots__ = ("commands", "steps", "log", "checkpoints", "notices", "phase")
 
     def __init__(self, phase: Phase):
-        self.commands: list[Any] = []          # for the workers they name, in order
-        self.steps: list[StepRecord] = []      # steps that ended
-        self.log: list[dict[str, Any]] = []    # event-log lines
-        self.checkpoints: list[tuple[str, int, str]] = []   # (tag, step, path) written
-        self.notices: list[str] = []           # one line each, for the operator
-        self.phase = phase                     # after the event
+        self.commands: list[Any] = []                                   # for the workers they name, in order
+        self.steps: Sequence[StepRecord] = _NOTHING                     # steps that ended
+        self.log: Sequence[dict[str, Any]] = _NOTHING                   # event-log lines
+        self.checkpoints: Sequence[tuple[str, int, str]] = _NOTHING     # (tag, step, path) written
+        self.notices: Sequence[str] = _NOTHING                          # one line each, for the operator
+        self.phase = phase                                              # after the event
+
+    def add(self, output: str, item: Any) -> None:
+        """Add ``item`` to one of the rarer outputs: ``steps``, ``log``, ``checkpoints`` or ``notices``."""
+        items = getattr(self, output)
+        if items is _NOTHING:
+            items = []
+            setattr(self, output, items)
+        items.append(item)
 
     @property
     def done(self) -> bool:

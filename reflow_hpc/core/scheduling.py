@@ -38,7 +38,9 @@ Fast dispatcher (every dispatch)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -136,18 +138,25 @@ class GenerationScheduler:
 
     # -- the dispatcher -----------------------------------------------------------------------
 
-    def choose(self, outstanding: dict[int, int], group_size: int) -> int | None:
+    def choose(self, outstanding: dict[int, int], group_size: int,
+               workers: Iterable[int] | None = None) -> int | None:
         """The worker a group of ``group_size`` samples goes to, or None when no worker admits it.
-        ``outstanding`` is the samples dispatched to each rollout worker and not finished."""
+        ``outstanding`` is the samples dispatched to each rollout worker and not finished; ``workers``
+        the candidates, in order (default: every worker of ``outstanding``)."""
+        # (Called once per finished sample: the settings are read once per call.)
+        caps, cap_max, budgets, room = self.caps, self.cap_max, self.budget, self.s.queue
+        tokens = self.predicted_tokens
+        need = group_size * tokens
+        gate = self.s.rho if self.s.adaptive else math.inf
         best, best_key = None, None
-        need = group_size * self.predicted_tokens
-        for w, n in outstanding.items():
+        for w in outstanding if workers is None else workers:
+            n = outstanding[w]
             # An idle worker always takes a group: no cap or budget may leave the pool with nothing to do.
-            if n and n + group_size > self.caps.get(w, self.cap_max) + self.s.queue:
+            if n and n + group_size > caps.get(w, cap_max) + room:
                 continue
-            budget = self.budget.get(w) or 0
-            ratio = (n * self.predicted_tokens + need) / budget if budget else 0.0
-            if n and self.s.adaptive and ratio > self.s.rho:
+            budget = budgets.get(w) or 0
+            ratio = (n * tokens + need) / budget if budget else 0.0
+            if n and ratio > gate:
                 continue
             key = (ratio, n, w)
             if best_key is None or key < best_key:

@@ -60,8 +60,8 @@ def run(c: Coordinator, script: list) -> None:
         assert [short(x) for x in out.commands] == commands, where
         assert out.phase.value == phase, where
         for key, want in (more[0] if more else {}).items():
-            got = {"log": [line["e"] for line in out.log], "notices": out.notices,
-                   "steps": [rec.step for rec in out.steps], "checkpoints": out.checkpoints}[key]
+            got = {"log": [line["e"] for line in out.log], "notices": list(out.notices),
+                   "steps": [rec.step for rec in out.steps], "checkpoints": list(out.checkpoints)}[key]
             assert got == want, f"{where}: {key}"
 
 
