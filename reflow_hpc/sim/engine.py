@@ -77,7 +77,8 @@ _EPS_STEPS: Final = 1e-6
 # Net allocations between the collector's young collections while a run is simulated (CPython's
 # default is 700); only speed depends on it.
 GC_YOUNG_THRESHOLD = 100_000
-# The coordinator's last phase (a module constant: an enum member's lookup costs a loop turn ~5 %).
+# The coordinator's last phase, a module constant: the loop compares with it on every event, and an enum
+# member looked up on its class costs a few times a global.
 _FINISHED: Final = Phase.FINISHED
 # Request states.
 QUEUED: Final = "queued"
