@@ -679,9 +679,15 @@ class Simulation:
             self.on_finished(w.wid, done, now)
         samples = []
         for r in done:
-            versions = [v for v, n in r.segments if n > 0]
-            if versions:
-                r.oldest, r.newest = lo, hi = min(versions), max(versions)
+            lo, hi = sys.maxsize, -1              # its oldest and newest token versions, one pass over its segments
+            for v, n in r.segments:
+                if n > 0:
+                    if v < lo:
+                        lo = v
+                    if v > hi:
+                        hi = v
+            if hi >= 0:
+                r.oldest, r.newest = lo, hi
             else:
                 lo = hi = w.version
             r.total = r.context()
