@@ -102,6 +102,8 @@ class RunConfig:
                                   "for run.timeout_s ends the job with its name.", gt=0)
     plugins: list[str] = opt([], "Modules imported on every rank before the config is validated: they register "
                                  "their own samplers, replay filters and tasks.")
+    umask: str = opt("077", "Octal umask of every rank and of the submit path: 077 keeps everything the job writes "
+                            "private to its user (directories 0700, files 0600); 027 lets the user's group read.")
 
 
 @dataclass
@@ -286,8 +288,10 @@ class ResourcesConfig:
                                      "state are sharded over them (FSDP2); 1 = full replicas.", ge=1)
     rollout_instances: int = opt(2, "n_R: rollout engine instances.", ge=0)
     rollout_tp_size: int = opt(1, "s_R: workers per rollout instance (tensor parallel). Above 1: rollout.engine "
-                                  "= vllm, split pools, static placement (scheduler.elastic = false in mode reflow), "
-                                  "trainer ranks in whole blocks of s_R.", ge=1)
+                                  "= vllm; the instances are blocks of s_R ranks from rank 0, so workers and every "
+                                  "split's trainer ranks (n_T·s_T, scheduler.placement_schedule's too) are multiples "
+                                  "of s_R. Any mode: colocated, every block trains and its first rank generates.",
+                               ge=1)
     device: str = opt("auto", "Device of every worker: auto = cuda when available, else cpu.",
                       choices=("auto", "cpu", "cuda"))
     cpu_threads: int = opt(1, "torch intra-op threads per worker on CPU.", ge=1)
@@ -363,6 +367,8 @@ class StorageConfig:
     chunk_rows: int = opt(1024, "HDF5 chunk length of the per-sample datasets (offsets, rows, meta, batches).", ge=1)
     collect: bool = opt(True, "At the end of a run copy every worker's shards into `<run dir>/shards/` "
                               "(node-local scratch is usually wiped when the job ends).")
+    read_budget_mib: float = opt(256.0, "Most memory a shard reader allocates for one read: a file whose declared "
+                                        "sizes exceed it or the file's own size is reported as damaged.", gt=0)
 
 
 @dataclass
@@ -392,6 +398,8 @@ class SlurmConfig:
     mpi: str = opt("pmi2", "srun --mpi plugin matching the MPI that mpi4py uses.")
     signal_before_s: int = opt(180, "Seconds before the time limit that USR2 is sent (checkpoint, requeue).", ge=0)
     log_dir: str = opt("slurm_logs", "Directory of submitit's scripts and per-task logs.")
+    max_requeues: int = opt(3, "Requeues a job may request of itself (USR2 before the time limit) before the "
+                               "batch script stops requeueing it.", ge=0)
 
 
 @dataclass
@@ -671,22 +679,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
                           f"n_T·s_T + n_R·s_R = {r.trainer_replicas}·{r.trainer_shard_size} + "
                           f"{r.rollout_instances}·{r.rollout_tp_size} = {used} must equal workers")
     from .core.modes import rules as mode_rules
-    if r.rollout_tp_size > 1:
-        # A tensor-parallel instance is s_R consecutive ranks whose engines make the same calls in the same
-        # order, its first rank driving the others (rollout/tensor_parallel.py): vLLM only, and fixed blocks.
-        tp, why = r.rollout_tp_size, ""
-        if cfg.rollout.engine != "vllm":
-            why = f"rollout.engine = {cfg.rollout.engine!r} runs one model per rank: tensor parallelism needs vllm"
-        elif mode_rules(cfg.reflow.mode).colocated:
-            why = f"mode {cfg.reflow.mode} is colocated; a tensor-parallel instance needs split pools"
-        elif cfg.reflow.mode == "reflow" and (cfg.scheduler.elastic or cfg.scheduler.placement_schedule):
-            why = ("the elastic pool does not move tensor-parallel instances yet: set scheduler.elastic = false "
-                   "and no scheduler.placement_schedule")
-        elif (r.trainer_replicas * r.trainer_shard_size) % tp:
-            why = (f"the trainer ranks ({r.trainer_replicas}·{r.trainer_shard_size}) must fill whole blocks of {tp} "
-                   "ranks, so that each instance's ranks are consecutive and aligned (vLLM lays its groups so)")
-        if why:
-            raise ConfigError("resources.rollout_tp_size", tp, why)
+    _check_tensor_parallel(cfg)
     sch = cfg.scheduler
     for item in sch.placement_schedule:
         step, _, n = item.partition(":")
@@ -751,9 +744,6 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     if cfg.reflow.replay_filter not in replay_filter_names():
         raise ConfigError("reflow.replay_filter", cfg.reflow.replay_filter,
                           "registered: " + ", ".join(replay_filter_names()))
-    _check_task(cfg, check_files)
-    _check_rollout(cfg)
-    _check_sim(cfg)
     if cfg.model.init_config and cfg.model.warmstart:
         raise ConfigError("model.init_config", cfg.model.init_config,
                           "builds a randomly initialised policy; model.warmstart builds the tiny one: set only one")
@@ -765,6 +755,44 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
             why = "no such directory" if not model.exists() else "no config.json in this directory"
             raise ConfigError("model.path", cfg.model.path,
                               f"{why} (a Hugging Face model directory; or set model.warmstart = true)")
+    _check_task(cfg, check_files)
+    _check_rollout(cfg)
+    _check_sim(cfg)
+
+
+def _check_tensor_parallel(cfg: Config) -> None:
+    """resources.rollout_tp_size > 1: an instance is s_R consecutive ranks whose engines make the same calls in
+    the same order, its first rank driving the others (rollout/tensor_parallel.py); vLLM only. vLLM lays its
+    groups over the blocks of s_R ranks from rank 0 and every rank builds its engine for its block once, so
+    every split the run may take, static or elastic, must leave its rollout ranks in whole aligned blocks:
+    n_T·s_T a multiple of s_R. In every mode; colocated, every block is an instance."""
+    r = cfg.resources
+    tp = r.rollout_tp_size
+    if tp == 1:
+        return
+    if cfg.rollout.engine != "vllm":
+        raise ConfigError("resources.rollout_tp_size", tp, f"rollout.engine = {cfg.rollout.engine!r} runs one model "
+                                                           f"per rank: tensor parallelism needs vllm")
+    from .core.modes import rules as mode_rules
+    if mode_rules(cfg.reflow.mode).colocated:
+        if r.workers % tp:
+            raise ConfigError("resources.rollout_tp_size", tp, f"resources.workers ({r.workers}) must be a multiple "
+                                                               f"of it: the instances are blocks of {tp} ranks from rank 0")
+        return
+    if (r.trainer_replicas * r.trainer_shard_size) % tp:          # (and so W, since n_T·s_T + n_R·s_R = W)
+        raise ConfigError("resources.rollout_tp_size", tp,
+                          f"the trainer ranks ({r.trainer_replicas}·{r.trainer_shard_size}) must fill whole blocks of "
+                          f"{tp} ranks, so that each instance's ranks are consecutive and aligned (vLLM lays its "
+                          f"groups so)")
+    for item in cfg.scheduler.placement_schedule:
+        step, _, n = item.partition(":")
+        if n.strip().isdigit() and (int(n) * r.trainer_shard_size) % tp:
+            raise ConfigError("scheduler.placement_schedule", item,
+                              f"{n.strip()} trainer replicas of resources.trainer_shard_size ({r.trainer_shard_size}) "
+                              f"do not fill whole blocks of resources.rollout_tp_size ({tp}) ranks: the rollout "
+                              f"instances would not be aligned")
+    # The planner's feasible splits leave (W − n_T·s_T) a multiple of s_R (core/placement.py), and W is one
+    # here, so every split it may choose is aligned as well.
 
 
 def _check_task(cfg: Config, check_files: bool) -> None:

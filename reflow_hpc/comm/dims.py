@@ -14,6 +14,11 @@ instances of ``s_R`` workers (``resources.rollout_tp_size``). The split with ``n
 - **instances**: the rollout ranks in blocks of ``s_R`` consecutive ranks from ``n_T·s_T`` (colocated:
   from 0). An instance's first rank, its *leader*, is the rollout worker the coordinator knows; the
   block is its tensor-parallel group;
+- **engine blocks**: with ``s_R > 1`` every split's trainer ranks fill whole blocks of ``s_R`` (``n_T·s_T``
+  and ``W`` are multiples of it), so every instance of every split is one of the fixed blocks
+  ``[b·s_R, (b+1)·s_R)`` that tile the world from rank 0, over which vLLM lays its own groups. Every
+  rank builds its engine for its block at set-up; the block's first rank leads it in every split,
+  and a split decides only whether the block generates or trains;
 - **sync**: the weight-sync broadcast group, the first trainer and every instance leader (none when
   colocated: each worker loads its own replica's weights).
 
@@ -83,6 +88,8 @@ class ParallelDims:
                 raise ValueError(f"parallel dims: colocated, every rank trains and generates: world {w} must be a "
                                  f"multiple of s_T {s} and s_R {tp}, and n_T = {w // s}, not {self.replicas}")
             return
+        if w % tp:
+            raise ValueError(f"parallel dims: world {w} must be a multiple of s_R {tp}: the engine blocks tile it")
         for n_t in self.replicas:
             rest = w - n_t * s
             if n_t < 1 or rest < 0 or rest % tp:
@@ -98,6 +105,18 @@ class ParallelDims:
 
     def shard_group_of(self, rank: int) -> Ranks | None:
         return next((g for g in self.shard_groups if rank in g), None)
+
+    @property
+    def engine_blocks(self) -> tuple[Ranks, ...]:
+        """The blocks of s_R consecutive ranks from rank 0, fixed for the run (module docstring); with s_R = 1
+        every rank alone."""
+        tp = self.tp
+        return tuple(tuple(range(b, b + tp)) for b in range(0, self.world, tp))
+
+    def engine_block(self, rank: int) -> Ranks:
+        """The engine block of ``rank``: its first rank leads the block's engine in every split."""
+        first = rank - rank % self.tp
+        return tuple(range(first, first + self.tp))
 
     def split(self, n_t: int) -> Split:
         if n_t not in self.replicas:

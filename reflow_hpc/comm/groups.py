@@ -8,7 +8,9 @@ with the job's timeout, and keeps the handles of the groups this rank belongs to
 - :attr:`ProcessGroups.shard` — this rank's replica's parameter-shard group (fixed for the run);
 - :meth:`ProcessGroups.replica` ``(n_t)`` — its counterparts when the pool has ``n_t`` trainer replicas;
 - :meth:`ProcessGroups.sync` ``(n_t)`` — that split's weight-sync broadcast group;
-- :meth:`ProcessGroups.tp_instance` ``(n_t)`` — its rollout instance's tensor-parallel group then.
+- :meth:`ProcessGroups.tp_instance` ``(n_t)`` — its rollout instance's tensor-parallel group then;
+- :attr:`ProcessGroups.tp_block` — the tensor-parallel group of its engine block, whichever split is in
+  force (the same group as ``tp_instance`` in every split where the block generates).
 
 Each is None when this rank is not in such a group, or when the group would hold this rank alone
 (nothing travels; the trainer and the weight sync treat None as a group of one).
@@ -69,3 +71,9 @@ class ProcessGroups:
     def tp_instance(self, n_t: int) -> Any:
         """The tensor-parallel group of this rank's rollout instance in split ``n_t`` (s_R > 1)."""
         return self._get("tp_instance", None, self.dims.split(n_t).instance_of(self.rank))
+
+    @property
+    def tp_block(self) -> Any:
+        """The tensor-parallel group of this rank's engine block (s_R > 1), made when the block is a rollout
+        instance in some split; None for a block that only ever trains (it loads no weights through one)."""
+        return self._get("tp_instance", None, self.dims.engine_block(self.rank))

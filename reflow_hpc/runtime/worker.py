@@ -29,12 +29,30 @@ and, whenever it has requests in flight, steps the engine between them:
   after the run (a sharded replica gathers both to its first worker, which writes); ``Stop`` →
   close the store, copy the shards into the run directory, shut down.
 
-A tensor-parallel vLLM instance (``resources.rollout_tp_size = s_R > 1``, split static pools) is
-``s_R`` consecutive ranks: its first rank is the rollout worker the coordinator knows and drives its
-engine through :class:`~reflow_hpc.rollout.tensor_parallel.LeaderEngine`; the others get only
-``Setup`` and ``Stop`` and, in between, repeat its engine calls (``_follow``).
+Tensor-parallel vLLM instances (``resources.rollout_tp_size = s_R > 1``, every mode) are the fixed
+blocks of ``s_R`` consecutive ranks from rank 0 (:meth:`~reflow_hpc.comm.dims.ParallelDims.engine_block`).
+Every rank builds its engine for its block at set-up; the block's first rank (its *leader*) drives the
+block's engines through :class:`~reflow_hpc.rollout.tensor_parallel.LeaderEngine` for the whole run,
+and the others (*followers*) hold a :class:`~reflow_hpc.rollout.tensor_parallel.FollowerLink`. A
+follower runs the same loop as every worker: between its own commands it applies its leader's
+pending engine calls, one at a time, so it can follow and, at the same time (colocated) or later
+(after a switch), train. What it does in each mode:
 
-Every wait is bounded: the coordinator's heartbeat must arrive within ``run.timeout_s``.
+- split pools, its block generating: it applies its leader's calls and gets only ``Setup``,
+  ``Switch`` and ``Stop`` (the coordinator knows the leader as the rollout worker);
+- split pools, its block training: a trainer like the others; its engine sleeps through its leader;
+- colocated (``sync``): it trains every step, and before it does it applies its leader's calls up to
+  the leader's ``sleep`` (which the leader makes before it trains), so that neither ever waits in a
+  trainer collective for the other while that one waits in an engine call; the leader's ``wake``
+  after the step and its weight load (every rank of the instance loads its own trainer's weights,
+  ``load_own_weights``) come in the loop, where the follower waits for nothing else;
+- at a switch: a block leaving rollout hands over through its leader, whose ``sleep`` each follower
+  applies before it touches its trainer; a block joining rollout wakes through its leader, and the
+  next weight sync reaches the followers through the leader's load;
+- at the stop: it applies its leader's last calls, up to the leader's ``stop``.
+
+Every wait is bounded by ``run.timeout_s``: the coordinator's heartbeat must arrive within it, and a
+follower's wait for its leader's call ends in an error naming both ranks and the operation.
 """
 
 from __future__ import annotations
@@ -45,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..comm.mpi import RankTimeout
+from ..comm.mpi import RankTimeout, wait_until
 from ..config import to_dict
 from ..core.commands import (Cancel, Dispatch, Drop, FlushTrajectories, Resume, SetCap, Setup, Snapshot, Switch,
                              SyncWeights, Train, WriteCheckpoint)
@@ -94,7 +112,8 @@ class Worker:
         self.rollouts: tuple[int, ...] = ()
         self.replica_size = self.cfg.resources.trainer_shard_size   # s_T: workers per trainer replica
         self.tp = self.cfg.resources.rollout_tp_size         # s_R: workers per rollout instance
-        self.follower: Any = None             # FollowerLink: on a tensor-parallel instance's non-first rank
+        self.leader = self.rank               # first rank of this rank's engine block (s_R > 1: fixed for the run)
+        self.follower: Any = None             # FollowerLink: on an engine block's other ranks
         self.dims: Any = None                                 # ParallelDims: the groups of every split, as data
         self.groups: Any = None                               # ProcessGroups: this rank's, by name
         self.wsyncs: dict[int, Any] = {}                    # trainer replicas -> weight-sync endpoint
@@ -104,6 +123,7 @@ class Worker:
         self.idle_s = 0.0              # rollout idle: nothing in flight while in the rollout role
         self.trainer_idle_since = time.monotonic()
         self.stopped = False
+        self.switches = 0                   # Switch commands so far
         self.handlers: dict[type, Callable[[Any], None]] = {
             Dispatch: self._dispatch, Train: self._train, SyncWeights: self._sync_weights, Drop: self._drop,
             Cancel: self._cancel, FlushTrajectories: self._flush_trajectories, WriteCheckpoint: self._write_checkpoint,
@@ -137,6 +157,7 @@ class Worker:
                                f"({list(split.trainers)}, {list(split.rollouts)})")
         self.groups = ProcessGroups.create(self.dims, rank, cfg.run.timeout_s)
         self.instance_comm = self.rt.world.Dup() if self.tp > 1 else None
+        self.leader = self.dims.engine_block(rank)[0]
 
         from ..policy import load_policy
         model, self.tokenizer = load_policy(cfg.model.path, cfg.model.dtype, self.device)
@@ -154,14 +175,22 @@ class Worker:
             from ..train.checkpoint import load_checkpoint
             load_checkpoint(msg.resume_from, trainer=self.trainer, restore_rng=False, map_location=self.device)
         inventory, lost = self._build_rollout(model, msg)
-        if rank not in self.rollouts and self.follower is None:
-            self.engine.sleep()
+        if not self._generates(self.rollouts) and self.follower is None:
+            self.engine.sleep()                       # a block that trains: its leader puts the block to sleep
         if rank not in self.trainers:
             self.trainer.offload()
         from ..storage.fetch import FetchClient
         self.fetcher = FetchClient(self.rt.data_comm, cfg.run.timeout_s, store=self.store,
                                    poll_min_s=cfg.run.poll_min_s, poll_max_s=cfg.run.poll_max_s)
         self.rt.send(Ready(rank, inventory, lost, self.groups.created, self.groups.seconds))
+
+    def _generates(self, rollouts: tuple[int, ...]) -> bool:
+        """Whether this rank's engine block generates when ``rollouts`` are the rollout workers (its leader is one)."""
+        return self.leader in rollouts
+
+    def _leads(self) -> bool:
+        """The first rank of a tensor-parallel engine block: its engine is a LeaderEngine."""
+        return self.tp > 1 and self.follower is None
 
     def _n_t(self) -> int:
         """Trainer replicas in force: the split whose groups apply."""
@@ -192,14 +221,15 @@ class Worker:
         self.engine_model = model
         self.engine = build_engine(model, cfg.rollout, device=self.device, seed=cfg.run.seed, version=msg.version,
                                    tp=self.tp)
-        instance = self.dims.split(self._n_t()).instance_of(self.rank)     # its ranks, the leader first
-        if self.tp > 1 and instance is not None:
+        if self.tp > 1:
+            # Roles of the block, for the run: vLLM's groups are these blocks whichever split is in force.
             from ..rollout.tensor_parallel import FollowerLink, LeaderEngine
-            group = self.groups.tp_instance(self._n_t())
-            if instance[0] == self.rank:
-                self.engine = LeaderEngine(self.engine, self.instance_comm, group, list(instance[1:]))
+            block, group = self.dims.engine_block(self.rank), self.groups.tp_block
+            if block[0] == self.rank:
+                self.engine = LeaderEngine(self.engine, self.instance_comm, group, list(block[1:]))
             else:
-                self.follower = FollowerLink(self.engine, self.instance_comm, group, instance[0], device=self.device)
+                self.follower = FollowerLink(self.engine, self.instance_comm, group, block[0], device=self.device,
+                                             own_weights=lambda: self.trainer.named_weights())
         task = make_task(cfg)
         self.runner = EpisodeRunner(self.engine, task, self.tokenizer, sampling_params(cfg.rollout), owner=self.rank,
                                     chat_template=cfg.task.chat_template)
@@ -244,12 +274,16 @@ class Worker:
         svc.heartbeat_s = self.cfg.run.heartbeat_s
         setup = self._wait(lambda m: isinstance(m, Setup), "waiting for setup")
         self.setup(setup)
-        if self.follower is not None:
-            return self._follow()
+        link, backoff = self.follower, self.rt.control.backoff()
         while not self.stopped:
-            busy = self.runner is not None and self.runner.has_work()
+            # A follower applies one of its leader's calls per turn, so its own commands are never starved.
+            followed = link is not None and link.pending()
+            if followed:
+                link.apply()
+            busy = link is None and self.runner is not None and self.runner.has_work()
             t0 = time.monotonic()
-            cmd = svc.poll_command(0.0 if busy else IDLE_WAIT_S)
+            # A follower never blocks on its inbox: its leader's next call may come first.
+            cmd = svc.poll_command(0.0 if busy or link is not None else IDLE_WAIT_S)
             if not busy and self.rank in self.rollouts:
                 self.idle_s += time.monotonic() - t0        # nothing to generate: rollout idle
             if cmd is not None:
@@ -257,44 +291,41 @@ class Worker:
                 if handler is None:
                     raise RuntimeError(f"rank {self.rank}: unexpected command {type(cmd).__name__}")
                 handler(cmd)
+                backoff.progress()
                 continue
             if busy:
                 self._generate()
-            elif svc.silent_for() > self.cfg.run.timeout_s:
-                raise RankTimeout(self.rank, "waiting for work", self.cfg.run.timeout_s, peer="0 (coordinator)")
+            elif followed:
+                backoff.progress()
+            else:
+                if svc.silent_for() > self.cfg.run.timeout_s:
+                    raise RankTimeout(self.rank, "waiting for work", self.cfg.run.timeout_s, peer="0 (coordinator)")
+                if link is not None:
+                    backoff.idle()
         return 0
 
-    def _follow(self) -> int:
-        """A tensor-parallel instance's non-first rank: make its first rank's engine calls until that rank
-        stops (rollout/tensor_parallel.py). The coordinator only sends it its stop."""
-        svc, link = self.rt.service, self.follower
-        timeout = self.cfg.run.timeout_s
-        backoff = self.rt.control.backoff()
-        stop_at: float | None = None
-        while not link.stopped:
-            cmd = svc.poll_command(0.0)
-            if cmd is not None:
-                if not isinstance(cmd, Stop):
-                    raise RuntimeError(f"rank {self.rank}: unexpected command {type(cmd).__name__} for a follower "
-                                       f"of tensor-parallel rank {link.leader}")
-                self._stop(cmd)
-                stop_at = time.monotonic()
-            if link.pending():
-                link.apply()
+    def _follow_through(self, mark: str, op: str) -> None:
+        """A follower: apply its leader's calls up to the leader's ``mark`` (the point the leader reaches before
+        it can wait for this rank in ``op``), within ``run.timeout_s``. ``"stop"``: up to the leader's stop."""
+        link, backoff = self.follower, self.rt.control.backoff()
+        done = (lambda: link.stopped) if mark == "stop" else (lambda: link.reached(mark))
+
+        def through() -> bool:
+            while link.pending():
                 backoff.progress()
-                continue
-            if stop_at is not None and time.monotonic() - stop_at > timeout:
-                raise RankTimeout(self.rank, "waiting for its tensor-parallel instance's last calls", timeout,
-                                  peer=link.leader)
-            if stop_at is None and svc.silent_for() > timeout:
-                raise RankTimeout(self.rank, "following its tensor-parallel instance", timeout,
-                                  peer="0 (coordinator)")
-            backoff.idle()
-        if stop_at is None:                              # the leader stopped first: the coordinator's stop is due
-            self._stop(self._wait(lambda m: isinstance(m, Stop), "waiting for the stop"))
-        print(f"rank {self.rank}: followed tensor-parallel rank {link.leader}: {link.calls} engine calls, "
-              f"{link.loads} weight loads", flush=True)
-        return 0
+                link.apply()
+                if done():
+                    return True
+            return False
+
+        if not done():
+            wait_until(through, timeout=self.cfg.run.timeout_s, rank=self.rank, backoff=backoff, peer=link.leader,
+                       op=f"{op}: waiting for tensor-parallel rank {link.leader} to reach {mark!r}")
+
+    def _mark(self, name: str) -> None:
+        """A leader: tell its followers it has reached ``name`` (see _follow_through)."""
+        if self._leads():
+            self.engine.mark(name)
 
     def _wait(self, want: Any, op: str) -> Any:
         while True:
@@ -318,7 +349,8 @@ class Worker:
         self.rt.send(SamplesFinished(self.rank, metas, self.idle_s, self._generated_tokens(), self._load()))
 
     def _generated_tokens(self) -> int:
-        return self.engine.stats().generated_tokens if self.engine is not None else 0
+        """Tokens this rank's engine generated (a follower's are its leader's, which reports them)."""
+        return self.engine.stats().generated_tokens if self.engine is not None and self.follower is None else 0
 
     def _load(self) -> EngineReport | None:
         """The engine's load while in the rollout role (the generation scheduler's input)."""
@@ -355,12 +387,19 @@ class Worker:
         samples = [WeightedSample(payload[s.sample_id], s.advantage, s.weight, s.is_replay) for s in cmd.samples]
         lo, hi = self._check_staleness(cmd, samples)
         if self.colocated:
-            self.engine.sleep()
+            # The engine sleeps before the trainer onloads; a follower's sleeps through its leader, whose
+            # sleep it applies before it trains (tensor_parallel.py: the lockstep order).
+            if self.follower is not None:
+                self._follow_through(f"train step {cmd.step}", f"train step {cmd.step}")
+            else:
+                self.engine.sleep()
+                self._mark(f"train step {cmd.step}")
             self.trainer.onload()
         stats = self.trainer.train_step(samples, cmd.batch_loss_tokens)
         if self.colocated:
             self.trainer.offload()
-            self.engine.wake()
+            if self.follower is None:
+                self.engine.wake()                       # a follower's wakes in its loop, when its leader's does
         stats.update({"token_staleness_min": lo, "token_staleness_max": hi})
         self.rt.send(StepDone(self.rank, cmd.step, stats, idle, fetch_s))
         self.trainer_idle_since = time.monotonic()
@@ -387,7 +426,10 @@ class Worker:
         t0 = time.monotonic()
         nbytes, resumed = 0, 0
         if cmd.src is None:                                  # colocated: our own trainer's weights
-            self.engine.load_weights(self.trainer.named_weights(), cmd.version)
+            if self._leads():                                # and every rank of the instance its own
+                self.engine.load_own_weights(self.trainer.named_weights(), cmd.version)
+            else:
+                self.engine.load_weights(self.trainer.named_weights(), cmd.version)
         elif self.rank == cmd.src:
             stats = self._weight_sync().send(self.trainer.named_weights())
             nbytes = stats.bytes
@@ -405,15 +447,20 @@ class Worker:
     def _switch(self, cmd: Switch) -> None:
         t0 = time.monotonic()
         rank = self.rank
-        was_trainer, was_rollout = rank in self.trainers, rank in self.rollouts
-        now_trainer, now_rollout = rank in cmd.trainers, rank in cmd.rollouts
+        self.switches += 1                          # every worker gets every Switch: a name both ends agree on
+        was_trainer, now_trainer = rank in self.trainers, rank in cmd.trainers
+        # Whole engine blocks move: a follower's block generates when its leader does.
+        was_generating, now_generating = self._generates(self.rollouts), self._generates(cmd.rollouts)
         self.holdings.partials.clear()              # the previous switch's: fetched long since
         handed: list[int] = []
-        if was_rollout and not now_rollout:         # to trainer: what is in flight goes to the others
+        if was_generating and not now_generating and self.follower is not None:
+            self._follow_through(f"switch {self.switches}", "switch to training")   # its leader hands over, sleeps
+        elif was_generating and not now_generating:   # to trainer: what is in flight goes to the others
             partials = self.runner.hand_off()
             self.holdings.partials.update((t.sample_id, t) for t in partials)
             handed = [t.sample_id for t in partials]
             self.engine.sleep()
+            self._mark(f"switch {self.switches}")
         if now_trainer and not was_trainer:
             self.trainer.onload()
         self.trainers, self.rollouts = tuple(cmd.trainers), tuple(cmd.rollouts)
@@ -425,7 +472,8 @@ class Worker:
                 self.trainer.recv_state(src)
         if was_trainer and not now_trainer:         # to rollout: the next sync brings the weights
             self.trainer.offload()
-            self.engine.wake()
+            if self.follower is None:
+                self.engine.wake()                  # a follower's wakes when its leader's does
         self.trainer_idle_since = time.monotonic()
         self.rt.send(Switched(rank, handed, time.monotonic() - t0))
 
@@ -487,11 +535,16 @@ class Worker:
 
     def _stop(self, cmd: Stop) -> None:
         self.stopped = True
-        if self.runner is not None and self.follower is None:
+        link = self.follower
+        if self.runner is not None and link is None:
             self.runner.abandon()
-            from ..rollout.tensor_parallel import LeaderEngine
-            if isinstance(self.engine, LeaderEngine):
-                self.engine.stop()
+            if self._leads():
+                self.engine.stop()                  # its followers leave after its last calls
+        if link is not None:
+            if not link.stopped:
+                self._follow_through("stop", "stopping")
+            print(f"rank {self.rank}: followed tensor-parallel rank {link.leader}: {link.calls} engine calls, "
+                  f"{link.loads} weight loads", flush=True)
         if self.store is not None:
             self.store.close()
             if self.cfg.storage.collect:

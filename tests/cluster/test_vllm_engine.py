@@ -1,7 +1,8 @@
 """The vLLM rollout engine, for real on CPU: the shared conformance checks (tests/helpers/engine_conformance.py),
 what is vLLM's own (factory, top-p refusal, fused-layer loads, sleep on CPU), two ranks of a
 torch.distributed job building their engines, a tensor-parallel instance over two ranks, and the main
-job's loop on 4 MPI ranks with it (one-rank instances, and one TP-2 instance).
+job's loop on 4 MPI ranks with one-rank instances (tensor-parallel instances in the main job:
+tests/cluster/test_vllm_tensor_parallel.py).
 
 Runs in the environment that tools/vllm_env.sh builds: ``.venv-vllm/bin/python -m pytest -m vllm
 tests/cluster/test_vllm_engine.py`` (tests/cluster/test_vllm_env.py does that from the main suite). Skipped where
@@ -222,28 +223,3 @@ def test_a_job_with_vllm_rollout_workers_spans_a_sync_under_new_weights(tmp_path
     samples = [t for t in shard_samples(run_dir) if len(set(t.versions[t.versions >= 0].tolist())) > 1]
     assert samples, "no sample carries tokens of two versions"
     assert check_logprobs_by_version(run_dir, policy_dir, samples[:4]) >= 2
-
-
-def test_a_job_with_a_tensor_parallel_rollout_instance(tmp_path, policy_dir):
-    """The main job's loop on 4 MPI ranks, 2 trainers and one vLLM instance over ranks 2 and 3 with
-    tensor parallelism 2: rank 2 drives it and reports its samples, rank 3 repeats its engine calls and
-    gets the weights through it. Samples interrupted by a sync carry two versions, and each version's
-    tokens are what that version's checkpoint gives (so both ranks of the instance loaded every
-    version, as the TP all-reduces would otherwise mix weights)."""
-    from loop_common import check_logprobs_by_version, run, shard_samples
-
-    import re
-
-    run_dir, metrics, summary, proc = run(tmp_path, policy_dir, *SPANS_SYNCS, "resources.trainer_replicas=2",
-                                          "resources.rollout_instances=1", "resources.rollout_tp_size=2")
-    assert summary["steps"] == 4 and summary["accounting_ok"], summary
-    assert metrics[-1]["partial_rollouts"] > 0, "no sync found requests in flight"
-    followed = re.search(r"rank 3: followed tensor-parallel rank 2: (\d+) engine calls, (\d+) weight loads",
-                         proc.stdout)
-    assert followed and int(followed[1]) > 50 and int(followed[2]) >= 4, proc.stdout[-2000:]
-    print(followed[0])
-    samples = shard_samples(run_dir)
-    assert samples and {t.owner for t in samples} == {2}, "samples must come from the instance's first rank only"
-    split = [t for t in samples if len(set(t.versions[t.versions >= 0].tolist())) > 1]
-    assert split, "no sample carries tokens of two versions"
-    assert check_logprobs_by_version(run_dir, policy_dir, split[:4]) >= 2

@@ -18,7 +18,9 @@ from reflow_hpc.config import ConfigError, RolloutConfig, load
 from reflow_hpc.rollout.factory import build_engine
 
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-TIMEOUT_S = 900      # measured ≈ 1–2 min on 2 cores; a hung engine fails the test instead of the suite
+# The modules that need vLLM, run in its environment.
+MODULES = ("tests/cluster/test_vllm_engine.py", "tests/cluster/test_vllm_tensor_parallel.py")
+TIMEOUT_S = 1500     # measured ≈ 8 min on 2 cores; a hung engine fails the test instead of the suite
 
 
 def test_vllm_conformance_in_its_own_env():
@@ -28,8 +30,7 @@ def test_vllm_conformance_in_its_own_env():
             pytest.fail(why)
         pytest.skip(why)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    args = [str(VENV_PYTHON), "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "vllm",
-            "tests/cluster/test_vllm_engine.py"]
+    args = [str(VENV_PYTHON), "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "vllm", *MODULES]
     try:
         r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:

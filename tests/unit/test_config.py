@@ -150,19 +150,41 @@ TP_SPLIT = ["resources.workers=4", "resources.trainer_replicas=2", "resources.ro
             "resources.rollout_tp_size=2"]
 
 
-def test_a_tensor_parallel_rollout_instance_is_accepted_with_vllm_and_split_static_pools():
+def test_a_tensor_parallel_rollout_instance_is_accepted_with_vllm_in_every_mode():
     cfg = C.load(None, TP_SPLIT + ["rollout.engine=vllm", "reflow.mode=fully_async", "reflow.sigma=0"], check_files=False)
     assert cfg.resources.rollout_tp_size == 2
     cfg = C.load(None, TP_SPLIT + ["rollout.engine=vllm", "scheduler.elastic=false"], check_files=False)
     assert cfg.reflow.mode == "reflow"
+    # Colocated: every block of two ranks trains and its first rank generates.
+    cfg = C.load(None, TP_SPLIT + ["rollout.engine=vllm", "reflow.mode=sync", "reflow.sigma=0"], check_files=False)
+    assert cfg.reflow.mode == "sync"
+    # The elastic pool, and a schedule that moves whole instances: 4 + 1·2 -> 2 + 2·2 on 6 workers.
+    six = ["resources.workers=6", "resources.trainer_replicas=4", "resources.rollout_instances=1",
+           "resources.rollout_tp_size=2", "rollout.engine=vllm"]
+    cfg = C.load(None, six, check_files=False)
+    assert cfg.scheduler.elastic
+    cfg = C.load(None, six + ['scheduler.placement_schedule=["2:2", "4:4"]', "scheduler.elastic=false"],
+                 check_files=False)
+    assert cfg.scheduler.placement_schedule == ["2:2", "4:4"]
+
+
+def test_a_schedule_that_splits_an_instance_is_refused():
+    with pytest.raises(C.ConfigError, match=r'scheduler.placement_schedule = "2:3": 3 trainer replicas .* whole '
+                                            r"blocks of resources.rollout_tp_size \(2\)") as e:
+        C.load(None, ["resources.workers=6", "resources.trainer_replicas=4", "resources.rollout_instances=1",
+                      "resources.rollout_tp_size=2", "rollout.engine=vllm", 'scheduler.placement_schedule=["2:3"]'],
+               check_files=False)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("sets, why", [
     (["reflow.mode=fully_async"], "runs one model per rank: tensor parallelism needs vllm"),
-    (["rollout.engine=vllm", "reflow.mode=sync"], "mode sync is colocated"),
-    (["rollout.engine=vllm"], "the elastic pool does not move tensor-parallel instances yet"),
     (["rollout.engine=vllm", "scheduler.elastic=false", "resources.trainer_replicas=1", "resources.workers=3"],
      r"trainer ranks \(1·1\) must fill whole blocks of 2 ranks"),
+    (["rollout.engine=vllm", "reflow.mode=sync", "reflow.sigma=0", "resources.trainer_replicas=1",
+      "resources.workers=3"], r"resources.workers \(3\) must be a multiple of it"),
+    (["rollout.engine=vllm", "scheduler.elastic=false", "resources.trainer_replicas=1", "resources.workers=5",
+      "resources.rollout_instances=2"], r"trainer ranks \(1·1\) must fill whole blocks of 2 ranks"),
 ])
 def test_a_tensor_parallel_rollout_instance_it_cannot_run_is_refused_naming_the_key(sets, why):
     with pytest.raises(C.ConfigError, match=r"resources.rollout_tp_size = 2: .*" + why):

@@ -66,10 +66,22 @@ def test_tensor_parallel_instances_in_every_split_made_once():
     assert [g.ranks for g in dims.plan() if g.kind == "tp_instance"] == [(2, 3), (4, 5), (6, 7)]
     assert [g.ranks for g in dims.plan() if g.kind == "shard"] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert dims.split(3).counterparts == ((0, 2, 4), (1, 3, 5)) and dims.split(3).sync == (0, 6)
-    # Not aligned with the blocks of s_R from rank 0: the instances start after the trainers.
-    odd = ParallelDims(world=5, tp=2, replicas=(1, 3))
-    assert [sp.instances for sp in odd.splits] == [((1, 2), (3, 4)), ((3, 4),)]
-    assert [g.ranks for g in odd.plan() if g.kind == "tp_instance"] == [(1, 2), (3, 4)]
+
+
+
+def test_engine_blocks_are_every_splits_instances():
+    """vLLM lays its groups over blocks of s_R from rank 0, built once: every split's instances are such
+    blocks, and a block's first rank leads it whichever split is in force."""
+    dims = ParallelDims(world=6, tp=2, replicas=(2, 4))
+    assert dims.engine_blocks == ((0, 1), (2, 3), (4, 5))
+    assert dims.engine_block(3) == (2, 3) and dims.engine_block(4) == (4, 5) and dims.engine_block(0) == (0, 1)
+    assert [sp.instances for sp in dims.splits] == [((2, 3), (4, 5)), ((4, 5),)]
+    assert all(inst in dims.engine_blocks for sp in dims.splits for inst in sp.instances)
+    # A block that generates in no split gets no group; the others one, whatever the split.
+    assert [g.ranks for g in dims.plan() if g.kind == "tp_instance"] == [(2, 3), (4, 5)]
+    assert ParallelDims(world=4, tp=1).engine_block(3) == (3,)
+    colocated = ParallelDims(world=4, tp=2, replicas=(4,), colocated=True)
+    assert colocated.engine_blocks == colocated.split(4).instances == ((0, 1), (2, 3))
 
 
 def test_colocated():
@@ -86,6 +98,8 @@ def test_colocated():
 @pytest.mark.parametrize("kwargs, words", [
     (dict(world=4, shard=2, replicas=(3,)), "leave -2 of 4"),
     (dict(world=5, tp=2, replicas=(2,)), "multiple of s_R 2"),
+    (dict(world=5, tp=2, replicas=(1, 3)), "world 5 must be a multiple of s_R 2"),      # blocks not aligned
+    (dict(world=6, tp=2, replicas=(3,)), "3 trainer replicas of 1 leave 3 of 6"),
     (dict(world=4, replicas=(0,)), "0 trainer replicas"),
     (dict(world=4, replicas=()), "no trainer replica count"),
     (dict(world=6, shard=4, replicas=(1,), colocated=True), "multiple of s_T 4"),
@@ -121,6 +135,14 @@ def test_every_rank_creates_the_same_groups_and_finds_its_own_by_name():
     assert g2.sync(1) == (0, 2, 4, 6) and g2.sync(2) is None and g2.tp_instance(1) == (2, 3)
     assert groups[0].sync(3) == (0, 6) and groups[0].replica(1) is None     # one replica: nothing to sum
     assert GroupSpec("shard", None, (2, 3)) in dims.plan()
+
+
+def test_every_rank_finds_its_engine_blocks_group_in_any_split():
+    dims = ParallelDims(world=6, tp=2, replicas=(2, 4))
+    groups = {rank: ProcessGroups.create(dims, rank, 60.0, new_group=tuple) for rank in range(6)}
+    assert [groups[r].tp_block for r in range(6)] == [None, None, (2, 3), (2, 3), (4, 5), (4, 5)]
+    assert groups[3].tp_instance(2) == (2, 3) and groups[3].tp_instance(4) is None    # trains with 4 replicas
+    assert ProcessGroups.create(ParallelDims(world=4, replicas=(2,)), 2, 60.0, new_group=tuple).tp_block is None
 
 
 def test_unsharded_ranks_have_no_shard_group():
