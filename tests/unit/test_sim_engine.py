@@ -21,6 +21,7 @@ from conftest import ROOT, ended_every_sample
 
 LAMINAR = str(ROOT / "configs" / "sim_laminar_7b.toml")
 QWEN3 = str(ROOT / "configs" / "sim_qwen3_8b_dapo.toml")
+QWEN3_32B = str(ROOT / "configs" / "sim_qwen3_32b_dapo.toml")
 # A small workload on the calibrated cost model: 16 prompts × 8 samples per step.
 SMALL = ["trainer.batch_size=128", "algorithm.group_size=8", "trainer.steps=6", "sim.warmup_steps=0",
          "rollout.max_concurrency=64", "scheduler.queue_samples=128"]
@@ -92,6 +93,16 @@ def test_every_mode_keeps_its_guarantees_on_the_calibrated_workload(mode):
         assert res.summary["partial_rollouts"] > 0
     if mode == "reflow":
         assert any(rec.batch.num_replay for rec in res.sim.records)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_tensor_parallel_instances_keep_every_modes_guarantees(mode):
+    """The 32B config's instances of two GPUs (colocated sync included): every mode keeps its guarantees and
+    each simulated worker is a whole number of instances."""
+    res, obs = run(mode, "trainer.steps=4", "sim.max_workers=8", gpus=16, config=QWEN3_32B)
+    check_guarantees(res, obs)
+    place = res.sim.place
+    assert place.tp == 2 and place.engines * place.tp == place.worker_gpus, place
 
 
 @pytest.mark.parametrize("mode", ["fully_async", "reflow"])
