@@ -19,6 +19,7 @@ from ..comm.failure import failpoint, fatal
 from ..comm.mpi import RankTimeout, barrier, init
 from ..config import Config, ConfigError
 from ..core.liveness import Unresponsive
+from .eventlog import EventLogError
 from .pump import MessagePump, Side
 from .messages import TAG_COORDINATOR, Failure, Hello, Stop, Welcome
 from .service import ServiceThread
@@ -116,8 +117,8 @@ class Runtime:
               show_traceback=not isinstance(error, (RankTimeout, ConfigError)), grace_s=self.cfg.run.abort_grace_s)
 
     def _coordinator_failed(self, op: str, error: BaseException) -> None:
-        fatal(0, op, error, comm=self.world, show_traceback=not isinstance(error, (RankTimeout, Unresponsive)),
-              grace_s=self.cfg.run.abort_grace_s)
+        quiet = isinstance(error, (RankTimeout, Unresponsive, EventLogError))    # their one line says it all
+        fatal(0, op, error, comm=self.world, show_traceback=not quiet, grace_s=self.cfg.run.abort_grace_s)
 
     def wait_stop(self, op: str = "waiting for the coordinator's stop") -> None:
         while True:

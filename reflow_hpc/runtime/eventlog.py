@@ -6,17 +6,31 @@ them into lines and appends them, so the log takes the coordinator thread nothin
 The events of every sample (``dispatch``, ``finish``, ``end``) are formatted directly, about five
 times faster than ``json.dumps``; the rare ones go through ``json.dumps``. Both give the same JSON.
 The schema is in docs/storage.md.
+
+The log must never hang or silently break a run. A write that fails (disk full, file too large, a
+file system gone) stops the writer; the next :meth:`EventWriter.put`, :meth:`~EventWriter.flush` or
+:meth:`~EventWriter.close` on the coordinator thread raises :class:`EventLogError`, one line naming
+the file and the cause, and the coordinator's failure path ends the job (a rerun resumes from the
+newest checkpoint). ``flush`` and ``close`` wait at most ``timeout_s`` (half of ``run.timeout_s``, see
+runtime/training.py) for a writer stuck in a write; the queue holds at most :data:`MAX_PENDING_EVENTS` events before ``put``
+waits for the writer (back-pressure, bounded by the same deadline).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
+
+# Most events that may wait in memory for the writer before put() blocks. A finish event's dict is
+# ~0.5 KB (measured), so the bound is ~64 MB of rank 0's memory. The writer takes everything queued
+# every flush_s, so only a file system that stalls for many seconds ever reaches it.
+MAX_PENDING_EVENTS = 1 << 17
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
@@ -53,51 +67,123 @@ def encode(event: dict) -> str:
     return line if line is not None else _dumps(event)
 
 
+def _drop_partial_line(path: Path) -> int:
+    """Cut a last line that a failed write left unfinished (a run that ended on a full disk), so that the
+    lines a resumed run appends stay one JSON object each; returns the bytes cut."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return 0
+    try:
+        end = pos = os.fstat(fd).st_size
+        while pos > 0:
+            start = max(0, pos - (1 << 16))
+            chunk = os.pread(fd, pos - start, start)
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                if start + i + 1 < end:
+                    os.ftruncate(fd, start + i + 1)
+                return end - (start + i + 1)
+            pos = start
+        os.ftruncate(fd, 0)
+        return end
+    finally:
+        os.close(fd)
+
+
+class EventLogError(RuntimeError):
+    """The event log cannot go on: one line naming the file, the operation and the cause."""
+
+
 class EventWriter(threading.Thread):
     """Appends events to a file from its own thread; :meth:`put` is all the caller's thread does."""
 
-    def __init__(self, path: Path, *, append: bool, flush_s: float = 0.5):
+    def __init__(self, path: Path, *, append: bool, flush_s: float = 0.5, timeout_s: float = 120.0,
+                 max_pending: int = MAX_PENDING_EVENTS):
         super().__init__(name="event-log", daemon=True)
         self.path = path
+        self.cut = _drop_partial_line(path) if append else 0
         self._file = path.open("a" if append else "w")
         self._queue: deque[list[dict]] = deque()
         self._wake = threading.Event()
+        self._progress = threading.Event()  # set by the writer after each round and when it stops
         self._closing = False
         self._flush_s = flush_s            # how often the thread writes what was put (the file's lag behind)
-        self.events = 0
+        self.timeout_s = timeout_s         # the longest flush() and close() wait, and put() under back-pressure
+        self.max_pending = max_pending
+        self._error: str | None = None     # why the writer stopped; raised on the caller's thread
+        self._put = 0                      # events put (caller's thread only)
+        self.events = 0                    # events written (writer thread only)
+        self._flushed = 0                  # events written and flushed to the file (writer thread only)
         self.cpu_seconds = 0.0             # this thread's CPU time encoding and writing
         self.start()
 
     def put(self, events: list[dict]) -> None:
+        if self._error is not None:
+            raise EventLogError(self._error)
         self._queue.append(events)         # no wake-up: the writer comes every flush_s
+        self._put += len(events)
+        if self._put - self.events > self.max_pending:
+            # Back-pressure: wait until the writer has taken half of the bound, not just one event
+            # below it, so that the puts after this one go through again.
+            self._wait(lambda: self._put - self.events <= self.max_pending // 2, "put (queue full)")
 
     def flush(self) -> None:
         """Write everything put so far before returning (checkpoints: the log is on disk with them)."""
-        done = threading.Event()
-        self._queue.append([{"__flush__": done}])
-        self._wake.set()
-        done.wait()
+        target = self._put
+        self._wait(lambda: self._flushed >= target, "flush")
 
     def close(self) -> None:
         self._closing = True
         self._wake.set()
-        self.join()
+        self.join(self.timeout_s)
+        if self.is_alive():
+            raise EventLogError(f"event log {self.path}: close: the writer has not finished after "
+                                f"{self.timeout_s:.1f} s")
+        if self._error is not None:
+            try:
+                self._file.close()         # what is still buffered cannot be written either
+            except OSError:
+                pass
+            raise EventLogError(self._error)
         self._file.close()
 
+    def _wait(self, done: Callable[[], bool], op: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self._progress.clear()         # cleared before the test: a round that ends after it sets it again
+            if self._error is not None:
+                raise EventLogError(self._error)
+            if done():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EventLogError(f"event log {self.path}: {op}: {self._put - self._flushed} events not written "
+                                    f"after {self.timeout_s:.1f} s (is its file system answering?)")
+            self._wake.set()
+            self._progress.wait(left)
+
     def run(self) -> None:
+        try:
+            self._write_rounds()
+        except BaseException as e:         # whatever stops the writer must reach the caller
+            self._error = f"event log {self.path}: write failed: {str(e) or type(e).__name__}"
+            self._queue.clear()            # nothing more will be written: free the memory
+        finally:
+            self._progress.set()
+
+    def _write_rounds(self) -> None:
         while True:
             self._wake.wait(self._flush_s)
             self._wake.clear()
             t0 = time.thread_time()
             while self._queue:
                 batch = self._queue.popleft()
-                if batch and "__flush__" in batch[0]:
-                    self._file.flush()
-                    batch[0]["__flush__"].set()
-                    continue
                 self._file.write("".join(encode(e) + "\n" for e in batch))
                 self.events += len(batch)
             self._file.flush()
+            self._flushed = self.events
             self.cpu_seconds += time.thread_time() - t0
+            self._progress.set()
             if self._closing and not self._queue:
                 return

@@ -23,6 +23,7 @@ from ..comm.channel import ControlChannel
 from ..comm.failure import fatal
 from ..comm.mpi import RankTimeout, wait_until
 from ..core.liveness import Unresponsive
+from .eventlog import EventLogError
 from .messages import TAG_COORDINATOR, TAG_SERVICE, Failure, Heartbeat, Hello, Stop, Welcome
 from .topology import place
 
@@ -130,7 +131,7 @@ class MessagePump(threading.Thread):
                 self.channel.send(r, Stop(), TAG_SERVICE)
         except BaseException as e:
             self.error = e
-            quiet = isinstance(e, (RankTimeout, Unresponsive))
+            quiet = isinstance(e, (RankTimeout, Unresponsive, EventLogError))
             if self._on_fatal is not None:
                 self._on_fatal("coordinator", e)
             else:

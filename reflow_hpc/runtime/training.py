@@ -35,6 +35,11 @@ from .messages import (CheckpointWritten, EngineReport, Heartbeat, Hello, Ready,
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
+# The longest the coordinator waits for the event log (flush, close, a full queue), as a fraction of
+# run.timeout_s: while it waits no heartbeat goes out, and a worker ends the job once the coordinator has
+# been silent for run.timeout_s. Half of that lets the log's own error, naming the file, end it first.
+EVENT_LOG_WAIT = 0.5
+
 Outgoing = list[tuple[int, Any]]
 
 
@@ -72,10 +77,14 @@ class TrainingSide:
         self.step_metrics = StepMetrics(cfg.reflow.mode)
         self.gpu: dict[int, dict] = {}          # rank -> its GPU's latest telemetry (heartbeats)
         # The event log: every index event, appended as JSON lines by a thread of its own (schema:
-        # docs/storage.md).
+        # docs/storage.md). A write that fails or hangs ends the run through the coordinator's failure
+        # path (EventLogError from put/flush/close); a rerun resumes from the newest checkpoint.
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        self.events = EventWriter(cfg.run_dir / "events.jsonl", append=self.resume_from is not None) \
-            if cfg.run.event_log else None
+        self.events = EventWriter(cfg.run_dir / "events.jsonl", append=self.resume_from is not None,
+                                  timeout_s=EVENT_LOG_WAIT * cfg.run.timeout_s) if cfg.run.event_log else None
+        if self.events is not None and self.events.cut:
+            print(f"coordinator: event log {self.events.path}: cut its unfinished last line ({self.events.cut} "
+                  f"bytes, from a write that failed before this resume)", flush=True)
         # CPU time of the coordinator thread (thread_time: waiting for the GIL is not work): handing the
         # events to the writer, and everything it does for a message or a tick.
         self.event_seconds = 0.0
