@@ -15,7 +15,9 @@
 - **A replica joins.** When the elastic pool turns workers into a new replica, an existing replica
   sends each of them its parameters, AdamW state and schedule point (sharded: each rank its local
   shards, to its counterpart): :func:`send_state` / :func:`recv_state`, point to point over the
-  default group, in buckets of ``trainer.sync_bucket_mb``. No full gather, no restart.
+  default group, in buckets of ``trainer.sync_bucket_mb``. No full gather, no restart. The schedule
+  point (step, the LR scheduler's state, the learning rates) travels as JSON (:func:`encode_meta`),
+  never as a pickle: what arrives over the network is only ever parsed, not executed.
 
 Every collective and every transfer waits at most ``run.timeout_s`` and fails naming the rank, the
 operation (the step, the bucket, the peer).
@@ -23,7 +25,8 @@ operation (the step, the bucket, the peer).
 
 from __future__ import annotations
 
-import pickle
+import json
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -120,15 +123,66 @@ class Replicas:
 
 # ---------------------------------------------------------------------- a replica joins
 
+# The schedule point is well under a kilobyte; a size header past this is not a schedule point.
+MAX_META_BYTES = 1 << 20
+
+
+def _check_json(value: Any, where: str) -> None:
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} = {value}: not a finite number, not sent")
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where}: key {k!r} ({type(k).__name__}) is not a string; not sent")
+            _check_json(v, f"{where}[{k!r}]")
+        return
+    # A tuple would come back a list, a tensor or an object not at all: refuse rather than change it.
+    raise ValueError(f"{where}: a {type(value).__name__} is not sent (None, bool, int, float, str, list and "
+                     f"dicts with string keys are)")
+
+
+def encode_meta(meta: dict) -> bytes:
+    """``meta`` as UTF-8 JSON, refused (naming the value) unless it holds only None, bools, ints, finite
+    floats, strings, lists and dicts with string keys, so that :func:`decode_meta` gives back an equal
+    dict: floats go through ``repr``, which is exact."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta: a {type(meta).__name__}, not a dict")
+    _check_json(meta, "meta")
+    return json.dumps(meta, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number this encoding sends")
+
+
+def decode_meta(raw: bytes) -> dict:
+    """What :func:`encode_meta` made, back; ValueError for anything else."""
+    meta = json.loads(raw.decode(), parse_constant=_no_constant)
+    if not isinstance(meta, dict):
+        raise ValueError(f"a {type(meta).__name__}, not a dict")
+    return meta
+
+
 def _p2p(op: Any, tensor: torch.Tensor, peer: int, what: str, rank: int, timeout_s: float) -> None:
     bounded(rank, f"{what} ({'to' if op is dist.isend else 'from'} rank {peer})", timeout_s, lambda: op(tensor, peer))
 
 
 def send_state(named: Named, meta: dict, dst: int, *, device: torch.device, rank: int, timeout_s: float,
                bucket_mb: float) -> int:
-    """Send ``meta`` (the schedule point, pickled) and the ``named`` tensors (parameters and AdamW state, local
-    shards) to rank ``dst``; returns the bytes of the tensors."""
-    raw = pickle.dumps(meta)
+    """Send ``meta`` (the schedule point, as JSON: :func:`encode_meta`) and the ``named`` tensors (parameters and
+    AdamW state, local shards) to rank ``dst``; returns the bytes of the tensors."""
+    try:
+        raw = encode_meta(meta)
+    except ValueError as e:
+        raise ValueError(f"rank {rank}: send_state to rank {dst}: schedule point: {e}") from None
     head = torch.tensor([len(raw)], dtype=torch.int64, device=device)
     _p2p(dist.isend, head, dst, "send_state: size", rank, timeout_s)
     _p2p(dist.isend, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device), dst, "send_state: schedule",
@@ -149,9 +203,16 @@ def recv_state(named: Named, src: int, *, device: torch.device, rank: int, timeo
     as the sender's; returns (its ``meta``, bytes)."""
     head = torch.zeros(1, dtype=torch.int64, device=device)
     _p2p(dist.irecv, head, src, "recv_state: size", rank, timeout_s)
-    raw = torch.empty(int(head[0]), dtype=torch.uint8, device=device)
+    size = int(head[0])
+    if not 0 < size <= MAX_META_BYTES:
+        raise RuntimeError(f"rank {rank}: recv_state from rank {src}: schedule point of {size} bytes "
+                           f"(at most {MAX_META_BYTES})")
+    raw = torch.empty(size, dtype=torch.uint8, device=device)
     _p2p(dist.irecv, raw, src, "recv_state: schedule", rank, timeout_s)
-    meta = pickle.loads(raw.cpu().numpy().tobytes())
+    try:
+        meta = decode_meta(raw.cpu().numpy().tobytes())
+    except ValueError as e:               # bad UTF-8 and bad JSON are ValueErrors too
+        raise RuntimeError(f"rank {rank}: recv_state from rank {src}: schedule point is not JSON: {e}") from None
     tensors = dict(named)
     got = 0
     buckets = plan_buckets(local_specs(named), int(bucket_mb * MB))
