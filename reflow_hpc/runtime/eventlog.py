@@ -12,8 +12,8 @@ file system gone) stops the writer; the next :meth:`EventWriter.put`, :meth:`~Ev
 :meth:`~EventWriter.close` on the coordinator thread raises :class:`EventLogError`, one line naming
 the file and the cause, and the coordinator's failure path ends the job (a rerun resumes from the
 newest checkpoint). ``flush`` and ``close`` wait at most ``timeout_s`` (half of ``run.timeout_s``, see
-runtime/training.py) for a writer stuck in a write; the queue holds at most :data:`MAX_PENDING_EVENTS` events before ``put``
-waits for the writer (back-pressure, bounded by the same deadline).
+runtime/training.py) for a writer stuck in a write; the queue holds at most :data:`MAX_PENDING_EVENTS`
+events before ``put`` waits for the writer (back-pressure, bounded by the same deadline).
 """
 
 from __future__ import annotations
