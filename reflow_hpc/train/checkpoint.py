@@ -221,6 +221,34 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return steps[-1] if steps else None
 
 
+def _read_meta(path: Path) -> tuple[dict, dict[str, Path]]:
+    """meta.json of step directory ``path``, checked before anything in it is used: a JSON object whose
+    ``step`` is an int and whose ``extra`` keys are plain file names whose files lie inside ``path/extra``
+    (after symlinks are resolved). A checkpoint directory may come from elsewhere; a key such as
+    ``../../x`` must not make the loader read a file outside it. Returns (meta, key -> file)."""
+    where = path / "meta.json"
+    try:
+        meta = json.loads(where.read_text())
+    except (ValueError, OSError) as e:
+        raise ValueError(f"checkpoint {where}: unreadable: {e}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"checkpoint {where}: a JSON {type(meta).__name__}, not an object")
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint {where}: step {step!r} is not a step number")
+    keys = meta.get("extra", [])
+    if not isinstance(keys, list):
+        raise ValueError(f"checkpoint {where}: extra is a {type(keys).__name__}, not a list of names")
+    folder = (path / "extra").resolve()
+    files = {}
+    for key in keys:
+        file = folder / f"{key}.json" if isinstance(key, str) and _EXTRA_KEY.fullmatch(key) else None
+        if file is None or key in (".", "..") or file.resolve().parent != folder:
+            raise ValueError(f"checkpoint {where}: extra key {key!r} is not a plain file name inside {folder}")
+        files[key] = file
+    return meta, files
+
+
 def load_checkpoint(path: str | os.PathLike, *, model: Any = None, trainer: Any = None, restore_rng: bool = True,
                     map_location: str | torch.device = "cpu") -> Checkpoint:
     """Read a step directory; load its weights into ``model`` (default: ``trainer.model``), its
@@ -229,9 +257,9 @@ def load_checkpoint(path: str | os.PathLike, *, model: Any = None, trainer: Any 
     if not (path / "meta.json").is_file():
         why = "no such directory" if not path.exists() else "incomplete (no meta.json)"
         raise FileNotFoundError(f"checkpoint {path}: {why}")
-    meta = json.loads((path / "meta.json").read_text())
+    meta, extra_files = _read_meta(path)
     blob = torch.load(path / "trainer.pt", map_location=map_location, weights_only=True)
-    extra = {key: json.loads((path / "extra" / f"{key}.json").read_text()) for key in meta.get("extra", [])}
+    extra = {key: json.loads(file.read_text()) for key, file in extra_files.items()}
     if model is None and trainer is not None:
         model = trainer.model
     if model is not None:
