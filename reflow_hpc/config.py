@@ -24,9 +24,11 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import tomllib
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -44,10 +46,22 @@ class ConfigError(Exception):
 
 def _show(value: Any) -> str:
     if isinstance(value, str):
-        return '"' + value.replace('"', '\\"') + '"'
+        # Control characters are escaped so that the error stays one line whatever the value holds.
+        return '"' + "".join(_escape(c) for c in value.replace('"', '\\"')) + '"'
     if isinstance(value, bool):
         return "true" if value else "false"
     return repr(value)
+
+
+def _is_control(c: str) -> bool:
+    """C0/C1 controls, DEL and the Unicode line/paragraph separators: anything that ends or rewrites a line."""
+    return unicodedata.category(c) in ("Cc", "Zl", "Zp")
+
+
+def _escape(c: str) -> str:
+    if not _is_control(c):
+        return c
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c, f"\\u{ord(c):04x}")
 
 
 def opt(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None,
@@ -66,7 +80,8 @@ def opt(default: Any, doc: str, *, ge: float | None = None, gt: float | None = N
 @dataclass
 class RunConfig:
     """Identity of a run, where it writes, and how long any wait may last."""
-    name: str = opt("reflow", "Run name; the run directory is `output_dir/name`.")
+    name: str = opt("reflow", "Run name; the run directory is `output_dir/name`. A plain name: letters, digits, "
+                              "`.`, `_`, `-`, no `/` or `..`.")
     output_dir: str = opt("runs", "Parent directory of run directories (shared file system on a cluster).")
     seed: int = opt(0, "Seed of every random stream (prompts, sampling, replay sampler, init).", ge=0)
     timeout_s: float = opt(120.0, "Upper bound of every wait on another rank (MPI_Init, handshake, "
@@ -103,7 +118,8 @@ class RunConfig:
     plugins: list[str] = opt([], "Modules imported on every rank before the config is validated: they register "
                                  "their own samplers, replay filters and tasks.")
     umask: str = opt("077", "Octal umask of every rank and of the submit path: 077 keeps everything the job writes "
-                            "private to its user (directories 0700, files 0600); 027 lets the user's group read.")
+                            "private to its user (directories 0700, files 0600); 027 lets the user's group read. "
+                            "3 or 4 octal digits that take write away from others.")
 
 
 @dataclass
@@ -398,8 +414,9 @@ class SlurmConfig:
     mpi: str = opt("pmi2", "srun --mpi plugin matching the MPI that mpi4py uses.")
     signal_before_s: int = opt(180, "Seconds before the time limit that USR2 is sent (checkpoint, requeue).", ge=0)
     log_dir: str = opt("slurm_logs", "Directory of submitit's scripts and per-task logs.")
-    max_requeues: int = opt(3, "Requeues a job may request of itself (USR2 before the time limit) before the "
-                               "batch script stops requeueing it.", ge=0)
+    max_requeues: int = opt(3, "Requeues a job may request of itself (USR2 before the time limit): once Slurm's "
+                               "SLURM_RESTART_COUNT reaches it, the run stops at its checkpoint instead of requeueing "
+                               "(batch scripts and submit alike).", ge=0)
 
 
 @dataclass
@@ -628,6 +645,7 @@ def _apply(cfg: Config, data: dict, origin: str) -> None:
                 raise ConfigError(full, value if not isinstance(value, dict) else "{…}",
                                   f"unknown key in {origin}; keys of [{sec_name}]: {hint}")
             value = _coerce(full, value, _key_type(sec_cls, key))
+            _check_text(full, value)
             _check_bounds(full, value, known[key].metadata)
             setattr(section, key, value)
 
@@ -672,6 +690,9 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     """Cross-key rules; single keys were checked while loading. ``check_files = False`` skips the rules
     that read files (model.path, model.init_config, the data file): a cluster config read where its
     model and data are not, such as ``--no-files`` or ``submit --dry-run``."""
+    _check_text_values(cfg)
+    _check_run_identity(cfg)
+    _check_slurm(cfg)
     r = cfg.resources
     used = r.trainer_replicas * r.trainer_shard_size + r.rollout_instances * r.rollout_tp_size
     if used != r.workers:
@@ -758,6 +779,60 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     _check_task(cfg, check_files)
     _check_rollout(cfg)
     _check_sim(cfg)
+
+
+# Values that end up in a generated batch script (submitit's #SBATCH lines and srun command), in a
+# path, or in a log line: a newline there would inject a command, a "/" in run.name would move the run
+# directory anywhere (run.name = "/etc" makes it /etc).
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_SLURM_TIME = re.compile(r"(?:\d+-)?\d+(?::\d+){0,2}")
+
+
+def _check_text(key: str, value: Any) -> None:
+    """No string value of any key may hold a control character (newline, tab, ESC, DEL, U+2028 ...)."""
+    for item in value if isinstance(value, list) else (value,):
+        if isinstance(item, str) and any(_is_control(c) for c in item):
+            raise ConfigError(key, item, "must not contain control characters (a newline would add a line to "
+                                         "the generated batch script)")
+
+
+def _check_text_values(cfg: Config) -> None:
+    """Every string of every section, also those set in code rather than loaded from TOML."""
+    for sec_name, sec_cls in sections():
+        section = getattr(cfg, sec_name)
+        for f in keys(sec_cls):
+            _check_text(f"{sec_name}.{f.name}", getattr(section, f.name))
+
+
+def _check_run_identity(cfg: Config) -> None:
+    """run.name is one path component; run.umask keeps what the job writes out of others' reach."""
+    name = cfg.run.name
+    if not _RUN_NAME.fullmatch(name) or ".." in name:
+        raise ConfigError("run.name", name, "must be a plain name (letters, digits, '.', '_', '-'; starting with a "
+                                            "letter or digit; no '/' or '..'): it names the run directory")
+    mask = cfg.run.umask
+    if not re.fullmatch(r"[0-7]{3,4}", mask) or int(mask, 8) > 0o777:
+        raise ConfigError("run.umask", mask, "expected 3 or 4 octal digits, at most 0777 (e.g. 077 or 027)")
+    if not int(mask, 8) & 0o002:
+        raise ConfigError("run.umask", mask, "lets others write what the job creates: its last digit must "
+                                             "remove write (2, 3, 6 or 7; e.g. 077 or 027)")
+
+
+def _check_slurm(cfg: Config) -> None:
+    """[slurm] values that submit renders into #SBATCH lines and srun's command line."""
+    s = cfg.slurm
+    if s.partition and not all(_SLURM_NAME.fullmatch(p) for p in s.partition.split(",")):
+        raise ConfigError("slurm.partition", s.partition, "must be a Slurm partition name (letters, digits, "
+                                                          "'_', '.', '-'), or several separated by commas")
+    if s.account and not _SLURM_NAME.fullmatch(s.account):
+        raise ConfigError("slurm.account", s.account, "must be a Slurm account name (letters, digits, '_', '.', '-')")
+    if not _SLURM_TIME.fullmatch(s.time):
+        raise ConfigError("slurm.time", s.time, "expected MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+    if not re.fullmatch(r"[a-z0-9_]+", s.mpi):
+        raise ConfigError("slurm.mpi", s.mpi, "allowed: pmi2, pmix, pmix_v<N>, pmi1, cray_shasta, none")
+    if not s.log_dir:
+        raise ConfigError("slurm.log_dir", s.log_dir, "must name a directory")
 
 
 def _check_tensor_parallel(cfg: Config) -> None:
