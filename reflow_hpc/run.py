@@ -302,14 +302,47 @@ def train(rt) -> int:
     print(report(summary, rt.cfg), flush=True)
     if stop_signal and stop_signal[0] == signal.SIGUSR2 and "SLURM_JOB_ID" in os.environ \
             and summary.get("steps", 0) < rt.cfg.trainer.steps:
-        job = os.environ["SLURM_JOB_ID"]
-        print(f"requeueing Slurm job {job}: it resumes from the checkpoint just written", flush=True)
-        request = os.environ.get("REFLOW_REQUEUE_FILE")
-        if request:                 # our batch scripts requeue once srun has returned (slurm/*.sbatch)
-            Path(request).write_text(f"{job}\n")
-        else:
-            subprocess.run(["scontrol", "requeue", job], check=False)
+        requeue(rt.cfg, os.environ["SLURM_JOB_ID"])
     return 0
+
+
+def requeue_refusal(max_requeues: int, job: str) -> str | None:
+    """Why Slurm job ``job`` may not requeue itself again (one line), or None: slurm.max_requeues caps
+    the restarts Slurm counts in SLURM_RESTART_COUNT, so a job that is stopped again and again ends."""
+    try:
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        restarts = 0
+    if restarts >= max_requeues:
+        return (f"not requeueing Slurm job {job}: it has restarted {restarts} time(s), slurm.max_requeues = "
+                f"{max_requeues}; resubmit it to resume from its newest checkpoint")
+    return None
+
+
+def requeue(cfg: Config, job: str) -> bool:
+    """After USR2, ask for Slurm job ``job`` to be requeued; it resumes from the checkpoint just written.
+
+    Under our batch scripts (slurm/*.sbatch) rank 0 only leaves a request, in the job's private state
+    directory, holding the nonce the script made (REFLOW_REQUEUE_TOKEN): the script requeues once srun
+    has returned, and only for that request. Elsewhere (submitit) it calls ``scontrol requeue`` itself."""
+    refusal = requeue_refusal(cfg.slurm.max_requeues, job)
+    if refusal:
+        print(refusal, flush=True)
+        return False
+    print(f"requeueing Slurm job {job}: it resumes from the checkpoint just written", flush=True)
+    request = os.environ.get("REFLOW_REQUEUE_FILE")
+    if not request:
+        subprocess.run(["scontrol", "requeue", job], check=False)
+        return True
+    from .private import UnsafePathError, open_new
+    try:
+        # Never through a file or link already there: the request is this process's alone.
+        with open_new(request) as f:
+            f.write(os.environ.get("REFLOW_REQUEUE_TOKEN", job) + "\n")
+    except (OSError, UnsafePathError) as e:
+        print(f"not requeueing Slurm job {job}: cannot write the requeue request {request}: {e}", flush=True)
+        return False
+    return True
 
 
 def evaluate(rt) -> dict | None:

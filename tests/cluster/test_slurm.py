@@ -311,3 +311,34 @@ def test_srun_without_mpi_bootstrap_fails_fast(slurm_conf):
     assert "MPI world size 1 differs from SLURM_NTASKS=2" in r.stderr
     assert "--mpi=pmi2" in r.stderr
     assert elapsed < 60
+
+
+def test_usr2_past_max_requeues_checkpoints_and_ends_without_requeueing(slurm_conf, tmp_path, policy_dir):
+    """slurm.max_requeues = 0: after USR2 the run checkpoints and ends; rank 0 says in one line why the job
+    is not requeued, and the batch script does not requeue it."""
+    name = f"cap{uuid.uuid4().hex[:6]}"
+    sets = [f"run.output_dir={tmp_path}", f"run.name={name}", f"model.path={policy_dir}", "model.warmstart=false",
+            "trainer.steps=200", "trainer.batch_size=16", "trainer.micro_batch_size=8", "algorithm.group_size=4",
+            "run.eval_prompts=0", "run.timeout_s=90", "scheduler.elastic=false", "slurm.max_requeues=0",
+            f"storage.dir={tmp_path / 'scratch'}"]
+    r = run_cmd(["sbatch", "--parsable", f"--output={tmp_path}/%j.out", "slurm/reflow_local.sbatch", CFG,
+                 *[x for s_ in sets for x in ("--set", s_)]], timeout=60)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    run_dir = tmp_path / name
+    try:
+        _wait_steps(run_dir, 3)
+    except AssertionError:
+        raise AssertionError(_job_report(job_id, tmp_path, slurm_conf)) from None
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    state = _wait_job(job_id)
+    log = (tmp_path / f"{job_id}.out").read_text()
+    assert state == "COMPLETED" and _job_field(job_id, "Restarts") == "0", log + _job_report(job_id, tmp_path,
+                                                                                            slurm_conf)
+    assert "stop requested" in log
+    lines = [ln for ln in log.splitlines() if "requeueing" in ln]
+    assert lines == [f"not requeueing Slurm job {job_id}: it has restarted 0 time(s), slurm.max_requeues = 0; "
+                     f"resubmit it to resume from its newest checkpoint"], log
+    assert (run_dir / "checkpoints").is_dir()
+    assert not list(ROOT.glob(f".reflow-{job_id}.*"))          # the job's private state directory is gone
+
