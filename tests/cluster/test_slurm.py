@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -342,3 +343,11 @@ def test_usr2_past_max_requeues_checkpoints_and_ends_without_requeueing(slurm_co
     assert (run_dir / "checkpoints").is_dir()
     assert not list(ROOT.glob(f".reflow-{job_id}.*"))          # the job's private state directory is gone
 
+
+def test_submit_to_a_partition_slurm_does_not_have_is_one_line(slurm_conf, tmp_path):
+    r = run_cmd(["python", "-m", "reflow_hpc.submit", "--nodes", "2", "--partition", "nosuch", CFG,
+                 "--set", f"slurm.log_dir={tmp_path}/logs"], timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.startswith("submit: sbatch refused the job: ") and r.stderr.count("\n") == 1, r.stderr
+    assert "nosuch" in r.stderr or "partition" in r.stderr.lower()
+    assert os.listdir(tmp_path / "logs") == []

@@ -9,7 +9,7 @@ from reflow_hpc.submit import _minutes, failure_lines
 
 
 @pytest.mark.parametrize("text, minutes", [("45", 45), ("02:30:00", 150), ("00:20:01", 21), ("1-02", 1560),
-                                           ("1-00:30:00", 1470), ("3:15", 195)])
+                                           ("1-00:30:00", 1470), ("1-02:30", 1590), ("30:00", 30), ("3:15", 4)])
 def test_slurm_time_syntax(text, minutes):
     assert _minutes(text) == minutes
 
