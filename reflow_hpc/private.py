@@ -18,6 +18,7 @@ Standard library only: every layer may import it.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import secrets
@@ -128,6 +129,9 @@ def fsync_dir(directory: str | os.PathLike) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP):    # file systems that cannot sync a directory
+            raise
     finally:
         os.close(fd)
 

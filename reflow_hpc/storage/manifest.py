@@ -1,8 +1,9 @@
 """`manifest.json`: the list of a worker's closed segments, replaced atomically.
 
 Rules:
-- The manifest is written to ``manifest.json.tmp`` and renamed over ``manifest.json`` (``os.replace``),
-  so a reader sees either the previous or the next version, never a partial one.
+- The manifest is written to a temp file of unpredictable name and renamed over ``manifest.json``
+  (``private.write_atomic``), so a reader sees either the previous or the next version, never a partial
+  one, and a symlink planted at either name is never written through.
 - A segment enters the manifest only after its file was renamed from ``<name>.open`` to ``<name>``;
   a closed segment missing from the manifest (a crash between the two renames) is still found by a
   directory scan.
@@ -17,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from reflow_hpc.private import write_atomic
 from reflow_hpc.storage.schema import FORMAT, FORMAT_VERSION, MANIFEST, StorageError
 
 
@@ -63,16 +65,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest | None:
 
 def write_manifest(directory: str | os.PathLike, manifest: Manifest, *, fsync: bool = False) -> None:
     """Replace `directory`/manifest.json atomically."""
-    path = Path(directory) / MANIFEST
-    tmp = path.with_name(MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(directory)
+    write_atomic(Path(directory) / MANIFEST, manifest.to_json(), fsync=fsync)
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:

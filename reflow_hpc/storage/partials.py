@@ -18,30 +18,30 @@ those of the new ones, like any partial rollout.
 
 from __future__ import annotations
 
+import io
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
+from reflow_hpc.private import private_dir, write_atomic
 from reflow_hpc.trajectory import Trajectory
 
 
 def save_partials(path: Path, partials: list[Trajectory]) -> Path:
-    """Write ``partials`` to ``path`` atomically (temporary name, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    """Write ``partials`` to ``path`` atomically (``private.write_atomic``: temp name, then rename)."""
+    private_dir(path.parent, what="partials staging directory")
     cat = lambda name, dtype: (np.concatenate([getattr(t, name) for t in partials]).astype(dtype)
                                if partials else np.zeros(0, dtype))
-    with open(tmp, "wb") as f:
-        np.savez(f, sample_id=np.array([t.sample_id for t in partials], np.int64),
-                 group_id=np.array([t.group_id for t in partials], np.int64),
-                 prompt_id=np.array([t.prompt_id for t in partials], np.int64),
-                 prompt_len=np.array([t.prompt_len for t in partials], np.int64),
-                 length=np.array([len(t.tokens) for t in partials], np.int64),
-                 tokens=cat("tokens", np.int32), versions=cat("versions", np.int32),
-                 logprobs=cat("logprobs", np.float32), meta=np.array(json.dumps([t.meta for t in partials])))
-    os.replace(tmp, path)
+    f = io.BytesIO()        # a few samples per worker: built in memory, then written in one go
+    np.savez(f, sample_id=np.array([t.sample_id for t in partials], np.int64),
+             group_id=np.array([t.group_id for t in partials], np.int64),
+             prompt_id=np.array([t.prompt_id for t in partials], np.int64),
+             prompt_len=np.array([t.prompt_len for t in partials], np.int64),
+             length=np.array([len(t.tokens) for t in partials], np.int64),
+             tokens=cat("tokens", np.int32), versions=cat("versions", np.int32),
+             logprobs=cat("logprobs", np.float32), meta=np.array(json.dumps([t.meta for t in partials])))
+    write_atomic(path, f.getvalue())
     return path
 
 

@@ -31,6 +31,7 @@ from typing import Callable, Iterable
 import h5py
 
 from reflow_hpc.config import StorageConfig
+from reflow_hpc.private import private_dir
 from reflow_hpc.storage import schema
 from reflow_hpc.storage.manifest import Manifest, SegmentEntry, write_manifest
 from reflow_hpc.storage.reader import LostRows, ScanReport, open_segment, read_rows, scan_directory
@@ -56,7 +57,7 @@ class SampleStore:
         self._restored: dict[int, Location] = {}
         self._lost: dict[int, LostRows] = {}
         self.restored: ScanReport | None = None
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory, what=f"rank {owner}: shard directory")
         existing = sorted(p.name for p in self.directory.iterdir()
                           if parse_segment_name(p.name) or p.name == schema.MANIFEST)
         manifest, next_segment = Manifest(owner=owner), 0

@@ -29,6 +29,7 @@ import numpy as np
 import xxhash
 
 from reflow_hpc.config import StorageConfig
+from reflow_hpc.private import private_dir
 from reflow_hpc.storage import schema
 from reflow_hpc.storage.manifest import Manifest, SegmentEntry, fsync_dir, write_manifest
 from reflow_hpc.storage.schema import (BATCH_DTYPE, ROW_DTYPE, Location, StorageError, hash_rows,
@@ -72,7 +73,7 @@ class ShardWriter:
         self._columns: dict[str, _TokenColumn] = {}
         self._rows_columns: dict[str, _RowColumn] = {}
         self.flushed_total = 0              # rows flushed by this writer, all segments together
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory, what=f"rank {owner}: shard directory")
 
     # ---------------------------------------------------------------------------------- appending
 
@@ -256,7 +257,13 @@ class ShardWriter:
         if path.exists():
             raise StorageError(f"rank {self.owner}: shard segment {path} already exists")
         try:
-            f = h5py.File(new, "w", rdcc_nbytes=0)    # no chunk cache: see _TokenColumn
+            # A leftover of a crash is removed (unlink never follows a symlink) and the file created
+            # exclusively ("x": O_EXCL), so h5py never writes through a symlink planted at the name.
+            try:
+                os.unlink(new)
+            except FileNotFoundError:
+                pass
+            f = h5py.File(new, "x", rdcc_nbytes=0)    # no chunk cache: see _TokenColumn
         except OSError as e:
             raise StorageError(f"rank {self.owner}: cannot create shard segment {new}: {e}") from None
         # Dirty metadata stays in memory until the next flush instead of being evicted to disk at

@@ -18,7 +18,8 @@ Rules it implements:
 
 - **Atomic.** Everything is written into a hidden temporary sibling (``.step_000010.tmp-<pid>``),
   flushed to disk, and renamed into place; then ``latest`` is replaced atomically
-  (``os.replace``). A crash leaves either the previous checkpoint or the new one, never a
+  (``private.write_atomic``: a temp file of unpredictable name renamed over it, so a symlink planted
+  at either name is never written through). A crash leaves either the previous checkpoint or the new one, never a
   half-written directory that looks valid. Leftover temporary directories are ignored by readers
   and removed by the next save.
 - **Found.** :func:`latest_checkpoint` follows ``latest``; when it is missing or names a
@@ -46,6 +47,7 @@ import numpy as np
 import torch
 
 from ..policy import no_progress_bars
+from ..private import private_dir, write_atomic
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _EXTRA_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -115,27 +117,26 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model: Any, tokenizer
     for key in extra:
         if not _EXTRA_KEY.match(key):
             raise ValueError(f"checkpoint extra key {key!r}: use letters, digits, '_', '.', '-' only (a file name)")
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    root = private_dir(root, what="checkpoint directory")
     _remove_stale_temporaries(root, keep={Path(d).name for d in (include or {}).values()})
     name = step_dir_name(step)
     final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)             # new (never an existing one): mkdir does not follow a symlink
         with no_progress_bars():          # a bar per checkpoint is only noise in the run's log
             model.save_pretrained(tmp / "model", safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "model")
         state = {k: v for k, v in trainer_state.items() if k != "model"}
         torch.save({"step": int(step), "trainer": state, "rng": rng_states()}, tmp / "trainer.pt")
-        (tmp / "extra").mkdir()
+        (tmp / "extra").mkdir(mode=0o700)
         for key, value in extra.items():
-            (tmp / "extra" / f"{key}.json").write_text(json.dumps(value))
-        for name, directory in (include or {}).items():
-            os.rename(directory, tmp / name)
-        (tmp / "meta.json").write_text(json.dumps({"step": int(step), "extra": sorted(extra), "format": 1}))
+            write_atomic(tmp / "extra" / f"{key}.json", json.dumps(value))
+        for part, directory in (include or {}).items():     # not `name`: the pointer below needs it
+            os.rename(directory, tmp / part)
+        write_atomic(tmp / "meta.json", json.dumps({"step": int(step), "extra": sorted(extra), "format": 1}))
         if fsync:
             _fsync_tree(tmp)
         old = None
@@ -149,13 +150,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model: Any, tokenizer
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    pointer = root / f".{LATEST}.tmp-{os.getpid()}"
-    pointer.write_text(name + "\n")
-    if fsync:
-        _fsync_file(pointer)
-    os.replace(pointer, root / LATEST)
-    if fsync:
-        _fsync_dir(root)
+    write_atomic(root / LATEST, name + "\n", fsync=fsync)
     if keep_last > 0:
         for path in _complete_steps(root)[:-keep_last]:
             if path.name != name:
@@ -170,6 +165,9 @@ def staging_dir(root: str | os.PathLike, step: int, name: str) -> Path:
 
 def _remove_stale_temporaries(root: Path, keep: set[str] = frozenset()) -> None:
     for p in root.iterdir():
+        if p.name.startswith(f".{LATEST}.") and p.name.endswith(".tmp"):   # a pointer write a crash cut short
+            p.unlink(missing_ok=True)
+            continue
         if p.name.startswith(".step_") and p.name not in keep and (".tmp-" in p.name or ".old-" in p.name
                                                                     or p.name.count(".") >= 2):
             shutil.rmtree(p, ignore_errors=True)
