@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -71,11 +72,14 @@ def _drop_partial_line(path: Path) -> int:
     """Cut a last line that a failed write left unfinished (a run that ended on a full disk), so that the
     lines a resumed run appends stay one JSON object each; returns the bytes cut."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return 0
     try:
-        end = pos = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return 0                      # a FIFO or someone else's file: not ours to cut
+        end = pos = st.st_size
         while pos > 0:
             start = max(0, pos - (1 << 16))
             chunk = os.pread(fd, pos - start, start)
