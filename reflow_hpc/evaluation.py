@@ -27,13 +27,13 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from .config import Config, RolloutConfig
+from .private import private_dir, write_atomic
 from .envs.task import Prompt, Task
 from .rollout.engine import SamplingParams
 
@@ -159,13 +159,11 @@ def save_snapshot(run_dir: Path, model: Any, step: int, version: int, elapsed_s:
     """The trainer's weights after ``step``, with the training time at which the step ended."""
     from .policy import no_progress_bars
 
-    out = snapshot_root(run_dir) / f"step_{step:06d}"
+    out = private_dir(snapshot_root(run_dir) / f"step_{step:06d}", what="policy snapshot")
     with no_progress_bars():
         model.save_pretrained(out, safe_serialization=True)
     meta = {"step": step, "version": version, "elapsed_s": elapsed_s, "time": time.time()}
-    tmp = out / (META + ".tmp")
-    tmp.write_text(json.dumps(meta) + "\n")
-    os.replace(tmp, out / META)          # written last: its presence marks a complete snapshot
+    write_atomic(out / META, json.dumps(meta) + "\n")     # written last: its presence marks a complete snapshot
     return out
 
 
@@ -218,10 +216,7 @@ def score_job(cfg: Config, task: Task, job: EvalJob) -> dict:
                                                       cfg.run.eval_concurrency, cfg.task.chat_template)
         result[f"eval/{s.name}/prompts"] = len(s.indices)
     result["eval/seconds"] = time.perf_counter() - t0
-    path = _result_path(cfg, job)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result) + "\n")
-    os.replace(tmp, path)
+    write_atomic(_result_path(cfg, job), json.dumps(result) + "\n")
     return result
 
 
@@ -255,7 +250,7 @@ def evaluate_run(cfg: Config, rank: int, size: int, *, wait: Callable[[Callable[
         sink.write(record)
         log(progress_line(record))
     sink.close()
-    logged.write_text(json.dumps(sorted(done_before | {j.name for j in jobs})) + "\n")
+    write_atomic(logged, json.dumps(sorted(done_before | {j.name for j in jobs})) + "\n")
     start, final = results["start"], results[jobs[-1].name]
     out: dict = {"eval/samples_per_prompt": cfg.run.eval_samples,
                  "eval/curve": [{"step": j.step, "elapsed_s": j.elapsed_s, "reward": results[j.name].get("eval/task/reward"),

@@ -59,6 +59,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from .private import open_append, open_new, private_dir
+
 if TYPE_CHECKING:
     from .core.outputs import StepRecord
 
@@ -121,9 +123,13 @@ def _mean(xs: Any) -> float:
 class MetricsSink:
     def __init__(self, run_dir: Path, *, tensorboard: bool = False, stream: TextIO | None = None,
                  append: bool = False):
-        run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(run_dir, what="run directory")
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a" if append else "w", buffering=1)
+        if append:
+            self._file = open_append(self.path, buffering=1)
+        else:               # a fresh file: an old one goes (unlink never follows a symlink), then O_EXCL
+            self.path.unlink(missing_ok=True)
+            self._file = open_new(self.path, buffering=1)
         self._stream = stream if stream is not None else sys.stdout
         self._tb = None
         if tensorboard:

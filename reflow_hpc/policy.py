@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError
+from .private import private_dir
 
 if TYPE_CHECKING:
     from .config import Config
@@ -118,11 +119,14 @@ def no_progress_bars():
 def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> Path:
     """Write model + tokenizer to ``directory`` atomically (temporary sibling, then rename)."""
     final = Path(directory)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    if not final.parent.is_dir():         # an existing parent may be shared (a group's models directory)
+        private_dir(final.parent, what="policy directory")
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        # Made here, exclusively: a symlink planted at the name fails this instead of receiving the weights.
+        tmp.mkdir(mode=0o700)
         with no_progress_bars():
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)

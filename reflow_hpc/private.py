@@ -19,10 +19,12 @@ Standard library only: every layer may import it.
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import pwd
 import secrets
 import stat
+import sys
 from pathlib import Path
 from typing import IO, Any
 
@@ -264,10 +266,35 @@ def private_scratch(root: str | os.PathLike, prefix: str) -> Path:
     """This user's scratch directory ``<root>/<prefix>-<user>``, created 0700 or checked as ``private_dir``.
 
     The name is predictable on purpose: node-local scratch must be found again after a requeue of the
-    same job (same ``prefix``, which carries the Slurm job id) so a rank resumes from its own shards.
-    A random name (``mkdtemp``) would lose them. Predictable is safe here because the directory is used
-    only if it is ours, 0700-ish and not a symlink: one planted by another user is refused with one line
-    (they can stop the run, not read or redirect its data). The user in the name keeps two users of the
-    same run name apart when there is no job id."""
+    same job on the same node (same ``prefix``, which carries the Slurm job id) so that a rank resumes
+    from its own shards; a random name (``mkdtemp``) would lose them. The user in the name keeps two
+    users of one run name apart when there is no job id.
+
+    Predictable names can be taken: when someone else holds it (a symlink, another owner, writable by
+    others), nothing is written there. The rank uses a private directory of its own,
+    ``<root>/<prefix>-<user>.<random>``, says so in one line on stderr, and finds that one again after a
+    requeue: only a directory of ours that passes the check is reused, so planting more names cannot
+    redirect it either."""
     root = Path(root)
-    return private_dir(root / f"{prefix}-{_user()}", what="scratch directory")
+    name = f"{prefix}-{_user()}"
+    try:
+        return private_dir(root / name, what="scratch directory")
+    except UnsafePathError as err:
+        taken = err
+    for p in sorted(root.glob(glob.escape(name) + ".*")):      # our fallback of before a requeue
+        try:
+            _check_dir(p, "scratch directory")
+        except UnsafePathError:
+            continue
+        print(f"reflow_hpc: {taken}; using {p}", file=sys.stderr, flush=True)
+        return p
+    for _ in range(16):
+        p = root / f"{name}.{secrets.token_hex(8)}"
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            continue
+        _check_dir(p, "scratch directory")
+        print(f"reflow_hpc: {taken}; using {p} instead", file=sys.stderr, flush=True)
+        return p
+    raise UnsafePathError(f"scratch directory {root / name}: taken, and no private one could be made beside it")

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from .config import Config, ConfigError, load, main_guard, notices
+from .private import UnsafePathError, apply_umask, write_atomic
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -298,7 +299,7 @@ def train(rt) -> int:
         return 0
     summary = dict(side.summary)
     summary.update(scores or {})
-    (rt.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(rt.cfg.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     print(report(summary, rt.cfg), flush=True)
     if stop_signal and stop_signal[0] == signal.SIGUSR2 and "SLURM_JOB_ID" in os.environ \
             and summary.get("steps", 0) < rt.cfg.trainer.steps:
@@ -392,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> int:
         cfg = load(args.config, args.overrides)
+        try:        # first, on the front end and on every rank: whatever is written next is private
+            apply_umask(cfg.run.umask)
+        except ValueError:
+            raise ConfigError("run.umask", cfg.run.umask, "not an octal umask between 000 and 777") from None
         if not args.check:
             check_resume(cfg)
         from .comm.mpi import launcher_rank, under_launcher
@@ -407,7 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         code = run_rank(cfg, args)
         return finish_rank(code, cfg.run.timeout_s)
 
-    return main_guard(go)
+    def guarded() -> int:
+        try:
+            return go()
+        except UnsafePathError as e:        # a planted or shared path outside a rank: one line, no traceback
+            print(f"reflow_hpc: {e}", file=sys.stderr, flush=True)
+            return 1
+
+    return main_guard(guarded)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from .config import ConfigError, TrainerConfig, config_changes, load, main_guard
 from .envs import Prompt, Task, make_task, prompt_token_ids
 from .envs.arithmetic import ANSWER_MARKER
 from .evaluation import exact_match
+from .private import write_atomic
 
 if TYPE_CHECKING:
     from .config import Config
@@ -178,9 +179,7 @@ def warmstart(cfg: "Config", out: str | Path | None = None, log=print) -> Warmst
         log(f"warm start: held-out greedy exact match {before:.3f} before, {after:.3f} after "
             f"({len(held_out)} {task.name} prompts)")
         save_policy(model, tokenizer, path)
-        tmp = path / (RECIPE + ".tmp")
-        tmp.write_text(json.dumps(recipe(cfg), indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path / RECIPE)
+        write_atomic(path / RECIPE, json.dumps(recipe(cfg), indent=1, sort_keys=True) + "\n")
         log(f"warm start: saved {path} in {time.perf_counter() - t0:.0f} s")
         return WarmstartResult(path, n_params, w.steps, before, after, loss_value, time.perf_counter() - t0)
     finally:

@@ -18,6 +18,7 @@ from typing import Any
 from ..comm.dist import backend_for, guarded, init_process_group
 from ..comm.mpi import NETMOD_VARS, library_version, wait_request
 from ..config import Config, to_dict
+from ..private import private_dir, write_atomic
 from .context import Runtime
 from .pump import Outgoing
 from .messages import CheckReport, Hello
@@ -103,11 +104,8 @@ def write_topology(cfg: Config, hellos: list[Hello], reports: dict[int, CheckRep
                           "value": first.allreduce_value, "expected": first.allreduce_expected},
             "mpi_allreduce_ok": all(r.mpi_allreduce_ok for r in reports.values())}
         doc["verified"] = all(r.allreduce_ok and r.mpi_allreduce_ok for r in reports.values())
-    out = cfg.run_dir / "topology.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, out)
+    out = private_dir(cfg.run_dir, what="run directory") / "topology.json"
+    write_atomic(out, json.dumps(doc, indent=2) + "\n")
     return out
 
 

@@ -13,6 +13,8 @@ import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..private import private_dir, private_scratch
+
 
 class LaunchError(RuntimeError):
     """The processes were started in a way that cannot work; the message says how to fix it."""
@@ -63,10 +65,15 @@ def scratch_root(configured: str) -> Path:
 
 
 def scratch_dir(configured: str, run_name: str, rank: int) -> Path:
-    """Per-rank scratch directory of this job; stable across a requeue (same Slurm job id)."""
+    """Per-rank scratch directory of this job, created private (0700) or checked as ours; stable across a
+    requeue (same Slurm job id), so a rank requeued on the same node finds its shards.
+
+    The name is predictable (``<root>/reflow-<run>-<job>-<user>/rank<r>``) rather than random, for that
+    requeue; when someone else holds it, ``private_scratch`` uses a private directory of its own beside
+    it (and says so in one line), never theirs."""
     job = os.environ.get("SLURM_JOB_ID")
-    base = scratch_root(configured) / (f"reflow-{run_name}-{job}" if job else f"reflow-{run_name}")
-    return base / f"rank{rank:05d}"
+    base = private_scratch(scratch_root(configured), f"reflow-{run_name}-{job}" if job else f"reflow-{run_name}")
+    return private_dir(base / f"rank{rank:05d}", what=f"rank {rank}: scratch directory")
 
 
 @dataclass

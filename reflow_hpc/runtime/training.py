@@ -28,6 +28,7 @@ from ..core.modes import rules
 from ..core.outputs import Outputs
 from ..core.scheduling import EngineLoad
 from ..metrics import MetricsSink, StepMetrics
+from ..private import private_dir, write_atomic
 from .eventlog import EventWriter
 from .telemetry import step_metrics as gpu_step_metrics
 from .messages import (CheckpointWritten, EngineReport, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished,
@@ -79,7 +80,7 @@ class TrainingSide:
         # The event log: every index event, appended as JSON lines by a thread of its own (schema:
         # docs/storage.md). A write that fails or hangs ends the run through the coordinator's failure
         # path (EventLogError from put/flush/close); a rerun resumes from the newest checkpoint.
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(cfg.run_dir, what="run directory")
         self.events = EventWriter(cfg.run_dir / "events.jsonl", append=self.resume_from is not None,
                                   timeout_s=EVENT_LOG_WAIT * cfg.run.timeout_s) if cfg.run.event_log else None
         if self.events is not None and self.events.cut:
@@ -211,7 +212,7 @@ class TrainingSide:
                         "process_groups": max((n for n, _ in self.setup_costs), default=0),
                         "process_groups_seconds": max((t for _, t in self.setup_costs), default=0.0)}
         self.metrics.close()
-        (self.cfg.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
+        write_atomic(self.cfg.run_dir / "summary.json", json.dumps(self.summary, indent=2) + "\n")
 
 
 def _load(load: EngineReport | None) -> EngineLoad | None:

@@ -68,6 +68,7 @@ from ..config import to_dict
 from ..core.commands import (Cancel, Dispatch, Drop, FlushTrajectories, Resume, SetCap, Setup, Snapshot, Switch,
                              SyncWeights, Train, WriteCheckpoint)
 from ..core.modes import rules
+from ..private import copy_tree
 from .context import Runtime
 from .messages import (CheckpointWritten, EngineReport, FinishedSample, Heartbeat, Ready, SamplesFailed,
                        SamplesFinished, TrajectoriesFlushed, StepDone, Stop, Switched, WeightsLoaded)
@@ -239,7 +240,7 @@ class Worker:
         if msg.resume_from and not existing and collected.is_dir():
             # Resumed on another node (node-local scratch is empty): start from the copy the previous
             # process set left in the run directory when it stopped (storage.collect).
-            shutil.copytree(collected, trajectory_dir, dirs_exist_ok=True)
+            copy_tree(collected, trajectory_dir)
             existing = True
         if existing and not msg.resume_from:
             # A fresh run must not mix with an old run's rows: keep them, aside, for analysis.
@@ -551,4 +552,4 @@ class Worker:
                 dest = self.cfg.run_dir / "shards" / f"rank{self.rank:05d}"
                 if dest.exists():
                     shutil.rmtree(dest)
-                shutil.copytree(self.store.directory, dest)
+                copy_tree(self.store.directory, dest)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
@@ -15,15 +16,24 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ..private import private_dir, write_atomic  # noqa: E402
+
 MODE_STYLE = {"sync": ("tab:gray", "o"), "one_step_off": ("tab:blue", "s"), "fully_async": ("tab:orange", "^"),
               "reflow": ("tab:green", "D")}
 ACTIVITY_COLOR = {"generate": "tab:green", "train": "tab:blue", "sync": "tab:purple", "switch": "tab:red",
                   "checkpoint": "tab:brown", "idle-rollout": "#dddddd", "idle-trainer": "#f2d7d5"}
 
 
+def _save(fig, path: Path) -> None:
+    """The PNG, replaced atomically: savefig to a path would write through a symlink planted there."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    write_atomic(path, buf.getvalue())
+
+
 def scaling(rows: list[dict], out: Path, title: str) -> list[Path]:
     """throughput.png and idle.png from summaries of several modes and GPU counts."""
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out, what="plot directory")
     modes = [m for m in MODE_STYLE if any(r["mode"] == m for r in rows)]
     paths = []
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -39,7 +49,7 @@ def scaling(rows: list[dict], out: Path, title: str) -> list[Path]:
     ax.legend()
     fig.tight_layout()
     paths.append(out / "throughput.png")
-    fig.savefig(paths[-1], dpi=120)
+    _save(fig, paths[-1])
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8), sharey=True)
@@ -57,14 +67,14 @@ def scaling(rows: list[dict], out: Path, title: str) -> list[Path]:
     fig.suptitle(title)
     fig.tight_layout()
     paths.append(out / "idle.png")
-    fig.savefig(paths[-1], dpi=120)
+    _save(fig, paths[-1])
     plt.close(fig)
     return paths
 
 
 def role_timeline(timeline: list, workers: int, out: Path, title: str, name: str) -> Path:
     """One bar per worker, coloured by activity over simulated time."""
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out, what="plot directory")
     fig, ax = plt.subplots(figsize=(9.6, max(2.5, 0.22 * workers + 1.2)))
     by_kind: dict[str, list] = {}
     for a in timeline:
@@ -84,6 +94,6 @@ def role_timeline(timeline: list, workers: int, out: Path, title: str, name: str
     ax.set_title(title)
     fig.tight_layout()
     path = out / name
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)
     return path

@@ -304,22 +304,43 @@ def test_private_scratch_is_stable_and_private(tmp_path, umask077):
     assert stat.S_IMODE(os.lstat(a).st_mode) == 0o700
 
 
-def test_private_scratch_refuses_planted_symlink(tmp_path):
-    trap = tmp_path / "trap"
-    trap.mkdir()
+def _taken(tmp_path, plant) -> tuple:
+    """Plant ``plant(path)`` at the predictable name, then ask for the scratch directory twice."""
     name = private.private_scratch(tmp_path / "probe", "reflow-run-42").name
-    (tmp_path / name).symlink_to(trap)
-    with pytest.raises(UnsafePathError) as err:
-        private.private_scratch(tmp_path, "reflow-run-42")
-    assert "scratch directory" in one_line(err, tmp_path / name)
+    root = tmp_path / "tmp"
+    root.mkdir()
+    plant(root / name)
+    return root / name, private.private_scratch(root, "reflow-run-42"), private.private_scratch(root, "reflow-run-42")
+
+
+def test_private_scratch_taken_by_a_symlink_falls_back_to_a_private_one(tmp_path, capsys):
+    trap = tmp_path / "trap"
+    trap.mkdir(mode=0o777)
+    planted, first, again = _taken(tmp_path, lambda p: p.symlink_to(trap))
+    assert first != planted and first.parent == planted.parent and first.name.startswith(planted.name + ".")
+    assert again == first                  # a requeue finds the same one
+    assert stat.S_IMODE(os.lstat(first).st_mode) == 0o700 and not first.is_symlink()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and str(planted) in err[0] and "symlink" in err[0] and str(first) in err[0]
+
+
+def test_private_scratch_fallback_is_not_a_planted_lookalike(tmp_path):
+    def plant(p):
+        p.mkdir()
+        p.chmod(0o777)                      # writable by others: taken
+        q = p.with_name(p.name + ".0000")   # a lookalike of the fallback, also open to all
+        q.mkdir()
+        q.chmod(0o777)
+
+    planted, first, _ = _taken(tmp_path, plant)
+    assert first.name != planted.name + ".0000" and stat.S_IMODE(os.lstat(first).st_mode) == 0o700
 
 
 @as_root
-def test_private_scratch_refuses_planted_foreign_dir(tmp_path):
-    name = private.private_scratch(tmp_path / "probe", "reflow-run-42").name
-    planted = tmp_path / name
-    planted.mkdir(mode=0o700)
-    os.chown(planted, NOBODY, NOBODY)
-    with pytest.raises(UnsafePathError) as err:
-        private.private_scratch(tmp_path, "reflow-run-42")
-    assert f"owned by uid {NOBODY}" in one_line(err, planted)
+def test_private_scratch_taken_by_another_user_falls_back(tmp_path):
+    def plant(p):
+        p.mkdir(mode=0o700)
+        os.chown(p, NOBODY, NOBODY)
+
+    planted, first, again = _taken(tmp_path, plant)
+    assert first != planted and again == first and os.lstat(first).st_uid == os.geteuid()
