@@ -7,10 +7,13 @@ summary says why). Every function takes the collected :class:`~reflow_hpc.analyz
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from reflow_hpc.private import write_atomic
 
 from .report import Sources, rank_idle
 from .stats import ROLES
@@ -18,6 +21,7 @@ from .stats import ROLES
 DPI = 110                     # ~900 px wide at the figure sizes below: readable, small files
 FIGSIZE = (8.0, 4.0)
 ROLE_COLOURS = ("#ffffff", "#d62728", "#1f77b4", "#9467bd", "#bbbbbb")   # in ROLES order
+MAX_CELLS = 1 << 24           # ranks × steps of a per-rank image: beyond it the image is not drawn
 
 
 def write_all(src: Sources, res: dict[str, Any], out_dir: Path) -> list[str]:
@@ -33,15 +37,30 @@ def write_all(src: Sources, res: dict[str, Any], out_dir: Path) -> list[str]:
         ("reward_by_version.png", _reward), ("response_length.png", _lengths),
         ("tokens_per_worker.png", _tokens), ("idle_by_rank.png", _idle), ("roles.png", _roles)]
     for name, make in makers:
-        fig = make(plt, src, res)
-        if fig is None:
-            continue
         path = out_dir / name
-        fig.tight_layout()
-        fig.savefig(path, dpi=DPI)
-        plt.close(fig)
+        try:
+            fig = make(plt, src, res)
+            if fig is None:
+                continue
+            fig.tight_layout()
+            png = io.BytesIO()
+            fig.savefig(png, dpi=DPI, format="png")
+        except Exception as e:      # data that passed every check and still breaks a plot costs that plot only
+            res.setdefault("plots_failed", []).append(f"{name}: {e.__class__.__name__}: {str(e)[:200]}")
+            continue
+        finally:
+            plt.close("all")
+        write_atomic(path, png.getvalue())      # a symlink planted at the name is replaced, not written through
         written.append(str(path))
     return written
+
+
+def _role_grid(me, n: int) -> tuple[list[int], np.ndarray] | None:
+    """(ranks, their role codes over the first ``n`` steps), or None when the image would be too large."""
+    ranks = sorted(me.roles)
+    if not ranks or len(ranks) * n > MAX_CELLS:
+        return None
+    return ranks, np.array([me.roles[r].dense(n) for r in ranks])
 
 
 def _reasons(plt, src: Sources, res: dict) -> Any:
@@ -178,8 +197,10 @@ def _idle(plt, src: Sources, res: dict) -> Any:
     a.set_ylim(-0.02, 1.02)
     a.legend(fontsize="small")
     a.set_title("idle ratio per step: by pool (top), by rank in its role (bottom)")
-    if ranks:
-        grid = np.array([rank_idle(np.frombuffer(bytes(me.roles[r]), np.uint8), idle_t, idle_r) for r in ranks])
+    roles = _role_grid(me, len(me.step))
+    if roles:
+        ranks = roles[0]
+        grid = np.array([rank_idle(codes, idle_t, idle_r) for codes in roles[1]])
         im = b.imshow(grid, aspect="auto", interpolation="nearest", cmap="magma_r", vmin=0, vmax=1,
                       extent=(me.step[0] - 0.5, me.step[-1] + 0.5, len(ranks) - 0.5, -0.5))
         b.set_yticks(range(len(ranks)), [str(r) for r in ranks])
@@ -196,8 +217,10 @@ def _roles(plt, src: Sources, res: dict) -> Any:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    ranks = sorted(me.roles)
-    grid = np.array([np.frombuffer(bytes(me.roles[r]), np.uint8) for r in ranks])
+    roles = _role_grid(me, len(me.step))
+    if roles is None:
+        return None
+    ranks, grid = roles
     fig, ax = plt.subplots(figsize=(FIGSIZE[0], 1.0 + 0.35 * len(ranks)))
     ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(ROLE_COLOURS), vmin=0,
               vmax=len(ROLES) - 1, extent=(me.step[0] - 0.5, me.step[-1] + 0.5, len(ranks) - 0.5, -0.5))

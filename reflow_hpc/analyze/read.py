@@ -1,8 +1,10 @@
 """Streaming readers of a run directory that report bad data instead of raising.
 
 - JSON Lines (``events.jsonl``, ``metrics.jsonl``): read one line at a time; a line that is not a
-  JSON object (a crash cut it, a byte flipped) is skipped and reported with its line number, runs
-  of consecutive bad lines as one range.
+  JSON object (a crash cut it, a byte flipped), is longer than 1 MiB or nests deeper than 64 levels
+  is skipped and reported with its line number, runs of consecutive bad lines as one range. Whole
+  JSON files (``topology.json``, ``summary.json``, manifests) are read up to 64 MiB, as deep.
+  Only regular files are read (:mod:`reflow_hpc.storage.jsonl`).
 - Shards (``shards/rank*/``, copied there at the end of a run): every segment is verified by
   :func:`reflow_hpc.storage.reader.scan_segment`, the project's one rule for what a readable row is
   (its batch's extents agree with the datasets and both XXH3-64 checksums match). The ``rows``
@@ -16,19 +18,22 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from reflow_hpc.storage import schema
-from reflow_hpc.storage.manifest import SegmentEntry, read_manifest
-from reflow_hpc.storage.reader import open_segment, scan_segment
+from reflow_hpc.storage import jsonl, schema
+from reflow_hpc.storage.manifest import SegmentEntry
+from reflow_hpc.storage.reader import BUDGET_MIB, load_manifest, open_segment, scan_segment
 from reflow_hpc.storage.schema import StorageError, parse_segment_name
 
-_DECODER = json.JSONDecoder()
+# Largest values of a verified row's fields that the analysis sums by: its sums are arrays indexed
+# by version, rank and length, so a row's fields must not size them beyond these.
+MAX_VERSION = 1 << 20        # optimizer steps
+MAX_RANK = 1 << 16
+MAX_TOKENS = 1 << 22         # tokens of one sample
 
 
 @dataclass(frozen=True)
@@ -71,40 +76,52 @@ def iter_jsonl(path: Path, name: str, bad: list[Unreadable], *, skip: tuple[byte
                skip_within: int = 64) -> Iterator[tuple[int, dict]]:
     """(line number, object) of every JSON-object line of ``path``; bad lines are appended to ``bad``.
 
-    ``skip``: lines containing one of these strings within their first ``skip_within`` characters
-    are passed over without parsing (a reader that needs no ``end`` events saves a third of the
-    parse). A missing file is one :class:`Unreadable`.
+    Lines are bounded (:mod:`reflow_hpc.storage.jsonl`): one longer than 1 MiB or nested deeper
+    than 64 levels is damage like a line that is not JSON, reported with its line number; runs of
+    consecutive bad lines with the same reason are one range. ``skip``: lines containing one of
+    these strings within their first ``skip_within`` characters are passed over without parsing (a
+    reader that needs no ``end`` events saves a third of the parse). A missing file, or one that is
+    not a regular file, is one :class:`Unreadable`.
     """
     try:
-        f = open(path, "rb")
+        f = jsonl.open_regular(path)
     except OSError as e:
         bad.append(Unreadable(name, f"cannot open: {e.strerror or e}"))
         return
-    first_bad = last_bad = 0
-    decode = _DECODER.decode                      # on str: json.loads(bytes) first guesses the encoding
+    except ValueError as e:
+        bad.append(Unreadable(name, f"cannot open: {e}"))
+        return
+    run: list = [0, 0, ""]                          # first and last line of the current bad run, its reason
+    loads = jsonl.loads
     with f:
-        for lineno, raw in enumerate(f, 1):
-            if skip:
-                head = raw[:skip_within]
-                if any(s in head for s in skip):
-                    continue
-            try:
-                obj = decode(raw.decode("utf-8"))
-                if type(obj) is not dict:
-                    raise ValueError("not an object")
-            except ValueError:                    # UnicodeDecodeError and JSONDecodeError are ValueErrors
-                if not raw.strip():
-                    continue                       # a blank line is not data
-                if first_bad and lineno == last_bad + 1:
-                    last_bad = lineno
-                else:
-                    if first_bad:
-                        bad.append(Unreadable(name, "not a JSON object", lines=(first_bad, last_bad)))
-                    first_bad = last_bad = lineno
+        for lineno, raw in jsonl.iter_lines(f):
+            if raw is None:
+                reason = f"line longer than {jsonl.MAX_LINE_BYTES >> 20} MiB"
+            else:
+                if skip:
+                    head = raw[:skip_within]
+                    if any(s in head for s in skip):
+                        continue
+                try:
+                    obj = loads(raw)
+                    if type(obj) is dict:
+                        yield lineno, obj
+                        continue
+                    reason = "not a JSON object"
+                except jsonl.JSONLimitError as e:
+                    reason = str(e)
+                except ValueError:                # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                    if not raw.strip():
+                        continue                   # a blank line is not data
+                    reason = "not a JSON object"
+            if run[0] and lineno == run[1] + 1 and reason == run[2]:
+                run[1] = lineno
                 continue
-            yield lineno, obj
-    if first_bad:
-        bad.append(Unreadable(name, "not a JSON object", lines=(first_bad, last_bad)))
+            if run[0]:
+                bad.append(Unreadable(name, run[2], lines=(run[0], run[1])))
+            run[:] = [lineno, lineno, reason]
+    if run[0]:
+        bad.append(Unreadable(name, run[2], lines=(run[0], run[1])))
 
 
 def skip_patterns(*events: str) -> tuple[bytes, ...]:
@@ -114,12 +131,15 @@ def skip_patterns(*events: str) -> tuple[bytes, ...]:
 
 
 def read_json(path: Path, name: str, bad: list[Unreadable]) -> Any:
-    """A whole small JSON file (summary.json, topology.json), or None and an :class:`Unreadable`."""
+    """A whole small JSON file (summary.json, topology.json), or None and an :class:`Unreadable`.
+    Bounded like the JSONL lines: at most 64 MiB, nested at most 64 levels."""
     try:
-        return json.loads(path.read_text())
+        return jsonl.load_file(path)
     except FileNotFoundError:
         bad.append(Unreadable(name, "missing"))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    except jsonl.JSONLimitError as e:
+        bad.append(Unreadable(name, f"unreadable: {e}"))
+    except (OSError, ValueError) as e:
         bad.append(Unreadable(name, f"unreadable: {e.__class__.__name__}: {e}"))
     return None
 
@@ -156,10 +176,11 @@ class ShardWalk:
     """
 
     def __init__(self, run_dir: Path, bad: list[Unreadable], *, chunk_rows: int, verify: bool = True,
-                 scratch_dirs: list[Path] = ()):
+                 scratch_dirs: list[Path] = (), budget_mib: float = BUDGET_MIB):
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows = {chunk_rows}: must be ≥ 1")
         self.run_dir, self.bad, self.chunk_rows, self.verify = run_dir, bad, chunk_rows, verify
+        self.budget_mib = budget_mib
         self.scratch_dirs = list(scratch_dirs)
         self.segments = 0
         self.flushes: list[Flush] = []
@@ -168,7 +189,15 @@ class ShardWalk:
     def rank_dirs(self) -> list[Path]:
         root = self.run_dir / "shards"
         if root.is_dir():
-            return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("rank"))
+            try:
+                found = sorted(p for p in root.iterdir() if p.name.startswith("rank"))
+            except OSError as e:
+                self.bad.append(Unreadable("shards", f"cannot list: {e.strerror or e}"))
+                return []
+            for p in found:
+                if not p.is_dir():          # is_dir is False for a symlink loop too
+                    self.bad.append(Unreadable(self._rel(p), "not a directory (or a symlink that leads to none)"))
+            return [p for p in found if p.is_dir()]
         found = [d for d in self.scratch_dirs if d.is_dir()]
         if found:
             self.source = "node-local scratch (" + ", ".join(map(str, found)) + ")"
@@ -187,15 +216,20 @@ class ShardWalk:
     def _rank(self, d: Path) -> Iterator[SegmentRows]:
         entries: dict[str, SegmentEntry] = {}
         try:
-            manifest = read_manifest(d)
+            manifest = load_manifest(d)
             entries = {s.file: s for s in manifest.segments} if manifest else {}
         except StorageError as e:
             self.bad.append(Unreadable(self._rel(d / schema.MANIFEST), str(e).split(": ", 1)[-1]))
         files: dict[str, Path] = {}
-        for p in d.iterdir():
-            parsed = parse_segment_name(p.name)
+        try:
+            names = [p.name for p in d.iterdir()]
+        except OSError as e:
+            self.bad.append(Unreadable(self._rel(d), f"cannot list: {e.strerror or e}"))
+            names = []
+        for n in names:
+            parsed = parse_segment_name(n)
             if parsed is not None:
-                files[p.name[:-len(schema.OPEN_SUFFIX)] if parsed[2] else p.name] = p
+                files[n[:-len(schema.OPEN_SUFFIX)] if parsed[2] else n] = d / n
         for name in sorted(set(files) | set(entries)):
             self.segments += 1
             entry = entries.get(name)
@@ -208,15 +242,15 @@ class ShardWalk:
 
     def _segment(self, path: Path, entry: SegmentEntry | None) -> Iterator[SegmentRows]:
         rel = self._rel(path)
-        scan = scan_segment(path, entry=entry, verify=self.verify)
+        scan = scan_segment(path, entry=entry, verify=self.verify, budget_mib=self.budget_mib)
         for lr in scan.lost:
-            n = len(lr.sample_ids) if lr.sample_ids else (lr.rows[1] - lr.rows[0] if lr.rows else None)
-            self.bad.append(Unreadable(rel, lr.reason, rows=lr.rows, samples=n))
+            self.bad.append(Unreadable(rel, lr.reason, rows=lr.rows, samples=lr.count()))
         if not scan.locations:
             return
         verified = np.sort(np.fromiter((loc.row for loc in scan.locations.values()), np.int64,
                                        len(scan.locations)))
         owner = scan.owner
+        self.flushes += [Flush(owner, t, rows, tokens) for rows, tokens, t in scan.flushes]
         del scan                                   # the per-row map is this segment's only large object
         try:
             f, _ = open_segment(path)
@@ -226,7 +260,6 @@ class ShardWalk:
         with f:
             try:
                 yield from self._rows(f, rel, owner, verified)
-                self._flushes(f, owner, verified)
             except (OSError, ValueError, KeyError) as e:
                 self.bad.append(Unreadable(rel, f"read error after verification: {e.__class__.__name__}: {e}"))
 
@@ -240,11 +273,11 @@ class ShardWalk:
                 continue
             chunk = ds[a:b]
             take = verified[i:j] - a
-            yield SegmentRows(rel, owner, chunk if len(take) == b - a else chunk[take])
-
-    def _flushes(self, f, owner: int, verified: np.ndarray) -> None:
-        for b in f["batches"][:]:
-            r0, r1 = int(b["row_start"]), int(b["row_end"])
-            if r1 > r0 and np.searchsorted(verified, r1) - np.searchsorted(verified, r0) == r1 - r0:
-                self.flushes.append(Flush(owner, float(b["unix_time"]), r1 - r0,
-                                          int(b["token_end"]) - int(b["token_start"])))
+            chunk = chunk if len(take) == b - a else chunk[take]
+            odd = ((chunk["min_version"] > MAX_VERSION) | (chunk["max_version"] > MAX_VERSION)
+                   | (chunk["owner"] > MAX_RANK) | (chunk["num_tokens"] > MAX_TOKENS))
+            if odd.any():
+                self.bad.append(Unreadable(rel, f"rows with a version over {MAX_VERSION}, an owner over {MAX_RANK} "
+                                                f"or over {MAX_TOKENS} tokens", samples=int(odd.sum())))
+                chunk = chunk[~odd]
+            yield SegmentRows(rel, owner, chunk)

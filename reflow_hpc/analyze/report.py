@@ -30,8 +30,10 @@ import numpy as np
 
 from reflow_hpc.core.sample import TERMINAL_REASONS
 
+from reflow_hpc.storage.reader import BUDGET_MIB
+
 from .read import Flush, ShardWalk, Unreadable, iter_jsonl, read_json
-from .stats import ROLES, EventStats, MetricStats, ShardStats, Tally
+from .stats import MAX_RANKS, ROLES, EventStats, MetricStats, ShardStats, Tally
 
 
 @dataclass
@@ -49,15 +51,16 @@ class Sources:
     bad: list[Unreadable] = field(default_factory=list)
 
 
-def collect(run_dir: Path, *, chunk_rows: int, verify: bool = True) -> Sources:
+def collect(run_dir: Path, *, chunk_rows: int, verify: bool = True, budget_mib: float = BUDGET_MIB) -> Sources:
     """One pass over every source of ``run_dir`` (module docstring); never raises for bad data."""
     bad: list[Unreadable] = []
     topology = read_json(run_dir / "topology.json", "topology.json", bad)
     topology = topology if isinstance(topology, dict) else None
-    scratch = [Path(r["scratch"]) / "shards" for r in (topology or {}).get("ranks", [])
-               if isinstance(r, dict) and isinstance(r.get("scratch"), str)]
+    ranks = _get(topology, "ranks", list) or []
+    scratch = list(dict.fromkeys(Path(r["scratch"]) / "shards" for r in ranks[:MAX_RANKS]
+                                 if isinstance(r, dict) and isinstance(r.get("scratch"), str)))
     shards = ShardStats()
-    walk = ShardWalk(run_dir, bad, chunk_rows=chunk_rows, verify=verify, scratch_dirs=scratch)
+    walk = ShardWalk(run_dir, bad, chunk_rows=chunk_rows, verify=verify, scratch_dirs=scratch, budget_mib=budget_mib)
     for chunk in walk:
         shards.add(chunk.rows)
     events: EventStats | None = EventStats()
@@ -78,12 +81,14 @@ def collect(run_dir: Path, *, chunk_rows: int, verify: bool = True) -> Sources:
 def result(src: Sources, *, max_points: int) -> dict[str, Any]:
     """The JSON-able analysis (the keys of the ``--json`` object)."""
     sh, ev, me, summary = src.shards, src.events, src.metrics, src.summary or {}
-    config = (src.topology or {}).get("config", {})
+    # summary.json and topology.json are data too: only fields of the expected type are used.
+    mode = _get(summary, "mode", str) or _get(_get(_get(src.topology, "config", dict), "reflow", dict), "mode", str)
+    steps = _get(summary, "steps", int)
     out: dict[str, Any] = {
         "run_dir": str(src.run_dir),
-        "mode": summary.get("mode") or config.get("reflow", {}).get("mode"),
-        "steps": summary.get("steps", len(me.step)),
-        "ranks": (src.topology or {}).get("world_size"),
+        "mode": mode[:64] if mode else None,
+        "steps": steps if steps is not None else len(me.step),
+        "ranks": _get(src.topology, "world_size", int),
         "samples": sh.samples,
         "segments": src.segments,
         "shards_from": src.shards_from,
@@ -96,7 +101,7 @@ def result(src: Sources, *, max_points: int) -> dict[str, Any]:
                    by_reason=dict(sorted(ev.by_reason.items())), by_reason_from="events.jsonl",
                    evicted_unused=ev.evicted_unused, events=ev.events, resumed=ev.resumed)
     else:
-        buf = summary.get("buffer", {})
+        buf = {k: v for k, v in (_get(summary, "buffer", dict) or {}).items() if type(v) is int}
         out.update(created=buf.get("buffer/created"), finished=None, failed=buf.get("buffer/failed"),
                    by_reason={k[len("buffer/"):]: v for k, v in buf.items() if k[len("buffer/"):] in TERMINAL_REASONS},
                    by_reason_from="summary.json" if buf else None, evicted_unused=buf.get("buffer/evicted_unused"))
@@ -109,7 +114,15 @@ def result(src: Sources, *, max_points: int) -> dict[str, Any]:
                                                                  sh.by_owner.get("response"))) if n}
     out["idle"] = _idle(me)
     out["roles"] = _roles(me, src.topology)
+    if me.ignored_ranks:
+        out["roles"]["ignored_ranks"] = me.ignored_ranks
     return out
+
+
+def _get(d: Any, key: str, kind: type) -> Any:
+    """``d[key]`` when ``d`` is a dict and the value a ``kind`` (a bool is no int), else None."""
+    v = d.get(key) if isinstance(d, dict) else None
+    return v if isinstance(v, kind) and not (kind is int and isinstance(v, bool)) else None
 
 
 def _staleness(ev: EventStats | None) -> dict[str, Any] | None:
@@ -180,8 +193,10 @@ def _idle(me: MetricStats) -> dict[str, Any] | None:
         return None
     idle_t, idle_r = np.array(me.idle_trainer), np.array(me.idle_rollout)
     by_rank = {}
-    for rank, codes in sorted(me.roles.items()):
-        ratio = rank_idle(np.frombuffer(bytes(codes), np.uint8), idle_t, idle_r)
+    for rank, roles in sorted(me.roles.items()):
+        idx = np.frombuffer(roles.steps, np.int64)
+        codes = np.frombuffer(roles.codes, np.uint8)
+        ratio = rank_idle(codes, idle_t[idx], idle_r[idx])
         by_rank[str(rank)] = None if np.isnan(ratio).all() else round(float(np.nanmean(ratio)), 4)
     return {"steps": len(me.step), "trainer_mean": _nanmean(idle_t), "rollout_mean": _nanmean(idle_r),
             "by_rank": by_rank}
@@ -198,10 +213,13 @@ def rank_idle(codes: np.ndarray, idle_t: np.ndarray, idle_r: np.ndarray) -> np.n
 
 def _roles(me: MetricStats, topology: dict | None) -> dict[str, Any]:
     by_rank = {}
-    for rank, codes in sorted(me.roles.items()):
-        counts = Counter(codes)
+    for rank, roles in sorted(me.roles.items()):
+        counts = Counter(roles.codes)
         by_rank[str(rank)] = {ROLES[c]: n for c, n in sorted(counts.items()) if c}
-    return {"steps_by_rank": by_rank, "timeline": (topology or {}).get("role_timeline", [])}
+    timeline = [{"step": p["step"], "trainer_replicas": p["trainer_replicas"]}
+                for p in (_get(topology, "role_timeline", list) or [])[:10_000]
+                if _get(p, "step", int) is not None and _get(p, "trainer_replicas", int) is not None]
+    return {"steps_by_rank": by_rank, "timeline": timeline}
 
 
 def _nanmean(x: np.ndarray) -> float | None:
@@ -266,14 +284,24 @@ def text(res: dict[str, Any], *, rows: int) -> str:
                         for r, d in roles["steps_by_rank"].items())
         tl = ", ".join(f"after step {p['step']}: {p['trainer_replicas']} trainer replica(s)" for p in roles["timeline"])
         out.append(f"roles (steps): {per}" + (f"; placements: {tl}" if tl else ""))
+    if roles.get("ignored_ranks"):
+        out.append(f"roles: {roles['ignored_ranks']} role/<rank> entries ignored (over {MAX_RANKS} ranks, or a rank "
+                   f"out of range)")
+    if res.get("plugins_not_imported"):
+        out.append(f"plugins: the run's run.plugins names {', '.join(res['plugins_not_imported'])}: not imported "
+                   f"(analyze imports only modules named with --plugin)")
     wi = res.get("what_if")
-    if wi:
+    if wi and wi.get("skipped"):
+        out.append(f"what-if: skipped: {wi['skipped']}")
+    elif wi:
         out += what_if_text(wi)
     bad = res["unreadable"]
     out.append(f"unreadable: {len(bad)}" + ("" if bad else " (none)"))
     out += ["  " + Unreadable.from_json(u).describe() for u in bad]
     if res.get("plots"):
         out.append("plots: " + ", ".join(res["plots"]))
+    if res.get("plots_failed"):
+        out.append("plots not drawn: " + "; ".join(res["plots_failed"]))
     return "\n".join(out)
 
 
@@ -294,6 +322,7 @@ def what_if_text(wi: dict[str, Any]) -> list[str]:
     lines = [f"what-if ({'overrides ' + ' '.join(wi['overrides']) if wi['overrides'] else 'no override'}; "
              f"config from {wi['config_from']}):"]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines += ["  " + n for n in wi.get("notes", [])]
     base = outs[1]
     verdict = "yes" if wi["reproduces_run"] else f"NO ({base.get('first_mismatch') or base.get('stopped')})"
     lines.append(f"  replay under the run's settings reproduces its {base['matched_steps']} batches: {verdict}")

@@ -8,6 +8,7 @@ read once at the end (:mod:`reflow_hpc.analyze.report`).
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,27 @@ import numpy as np
 
 # Role codes of the role timeline (metrics ``role/<rank>``); 0 = no record for the rank that step.
 ROLES = ("", "trainer", "rollout", "trainer+rollout", "idle")
+
+# The logs are data: the integers that index the sums below (sample ids, versions, ranks) are
+# bounded, so that one line cannot make an array as large as the number it holds. A dispatch may
+# name ids at most ID_SLACK beyond the ids dispatched so far (the coordinator numbers them densely).
+ID_SLACK = 1 << 16
+MAX_VERSION = 1 << 20
+MAX_RANKS = 4096             # ranks of the role timeline; further role/<rank> keys are ignored, counted
+
+
+def _int(v: Any, lo: int, hi: int) -> int:
+    """``v`` as an int in [lo, hi]; ValueError otherwise (a bool is no int here)."""
+    if type(v) is not int or not lo <= v <= hi:
+        raise ValueError(f"{v!r} is not an integer in [{lo}, {hi}]")
+    return v
+
+
+def _time(e: dict) -> float:
+    t = e["t"]
+    if type(t) not in (int, float):
+        raise TypeError(f"time {t!r} is not a number")
+    return float(t)
 
 
 class Tally:
@@ -151,28 +173,31 @@ class EventStats:
 
     def feed(self, line: int, e: dict) -> None:
         kind = e.get("e")
+        kind = kind if isinstance(kind, str) else "malformed"
         self.events += 1
         self.by_kind[kind] += 1
         t = e.get("t")
-        if self.first_t is None and isinstance(t, (int, float)):
-            self.first_t = t
+        if self.first_t is None and type(t) in (int, float):
+            self.first_t = float(t)
         handler = self._handlers.get(kind)
         if handler is not None:
             try:
                 handler(line, e)
-            except (KeyError, TypeError, ValueError, IndexError):
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError):
                 self.by_kind["malformed"] += 1      # a well-formed line with missing or odd fields
 
     def _known(self, sid: int) -> bool:
-        if 0 <= sid < self._next_id:
+        if type(sid) is int and 0 <= sid < self._next_id:
             return True
         self.unknown_ids += 1
         return False
 
     def _dispatch(self, line: int, e: dict) -> None:
         ids = e["ids"]
+        if not isinstance(ids, list):
+            raise TypeError("ids is not a list")
+        top = max(_int(i, 0, self.created + len(ids) + ID_SLACK) for i in ids) + 1 if ids else 0
         self.created += len(ids)
-        top = max(ids) + 1 if ids else 0
         if top > self._next_id:
             self._next_id = top
             if top > len(self._times_trained):
@@ -182,11 +207,14 @@ class EventStats:
 
     def _finish(self, line: int, e: dict) -> None:
         sid = e["id"]
+        reason = e.get("reason", "?")
+        if not isinstance(reason, str):
+            raise TypeError("reason is not a string")
         self.finished += 1
-        self.finish_reasons[e.get("reason", "?")] += 1
+        self.finish_reasons[reason[:64]] += 1
         if self._known(sid):
             self._finished[sid] = True
-        w, v = e["w"], e["v"]
+        w, v = _int(e["w"], -1, 1 << 31), _int(e["v"], -1, MAX_VERSION)
         if w >= 0 and v >= 0:
             by_version = self.tokens_by_worker.get(w)
             if by_version is None:
@@ -202,22 +230,27 @@ class EventStats:
         ids = np.asarray(e["ids"], np.int64)
         replay = np.asarray(e["replay"], np.int64)
         stale = np.asarray(e["stale"], np.int64)
+        t, v = _time(e), _int(e["v"], -1, MAX_VERSION)
+        if ids.ndim != 1 or replay.shape != ids.shape or stale.shape != ids.shape or (stale > MAX_VERSION).any():
+            raise ValueError("ids, replay and stale differ in shape, or a staleness is out of range")
         known = (ids >= 0) & (ids < self._next_id)
         self.unknown_ids += int((~known).sum())
         np.add.at(self._times_trained, ids[known], 1)
         for name, mask in (("unused", replay == 0), ("replay", replay != 0)):
             self.staleness[name].add(np.maximum(stale[mask], 0))
-        self.steps.append(Step(e["t"], line, int(e["v"]), len(ids), int(replay.sum()), int(stale.sum()),
+        self.steps.append(Step(t, line, v, len(ids), int(replay.sum()), int(stale.sum()),
                                int(stale.max()) if len(stale) else 0))
 
     def _train(self, line: int, e: dict) -> None:
         k = int(e["step"])
         if 0 <= k < len(self.steps) and self.steps[k].train_line is None:
-            self.steps[k].train_t, self.steps[k].train_line = e["t"], line
+            self.steps[k].train_t, self.steps[k].train_line = _time(e), line
 
     def _end(self, line: int, e: dict) -> None:
         reason = e["reason"]
-        self.by_reason[reason] += 1
+        if not isinstance(reason, str):
+            raise TypeError("reason is not a string")
+        self.by_reason[reason[:64]] += 1
         sid = e["id"]
         if reason == "evicted_stale" and self._known(sid) and self._times_trained[sid] == 0:
             self.evicted_unused += 1
@@ -239,7 +272,7 @@ class EventStats:
             k, (ln, t, _) = -1, self.starts[-1]
         else:
             return
-        self.blocks.append(Block("checkpoint", k, t, ln, e["t"], line))
+        self.blocks.append(Block("checkpoint", k, t, ln, _time(e), line))
 
     def _switch(self, line: int, e: dict) -> None:
         self._open_switch = self._open(line, e, "switch")
@@ -257,15 +290,16 @@ class EventStats:
 
     def _open(self, line: int, e: dict, kind: str) -> Block:
         last = self._last_train()
-        return Block(kind, last[0] if last else -1, e["t"], line)
+        return Block(kind, last[0] if last else -1, _time(e), line)
 
     def _close(self, block: Block | None, line: int, e: dict) -> None:
         if block is not None:
-            block.end_t, block.end_line = e["t"], line
+            block.end_t, block.end_line = _time(e), line
             self.blocks.append(block)
 
     def _start(self, line: int, e: dict) -> None:
-        self.starts.append((line, e["t"], e.get("resume_from")))
+        resume = e.get("resume_from")
+        self.starts.append((line, _time(e), resume if isinstance(resume, str) or resume is None else str(resume)))
 
     # -------------------------------------------------------------------------------- results
 
@@ -281,6 +315,27 @@ class EventStats:
 
 # ---------------------------------------------------------------------------------------- metrics
 
+class RankRoles:
+    """One rank's role codes (ROLES), only at the steps that record it: memory grows with the records,
+    not with ranks × steps (a rank that appears at the first and the last step costs two bytes)."""
+
+    def __init__(self) -> None:
+        self.steps = array("q")                                 # indices into MetricStats.step
+        self.codes = bytearray()
+
+    def add(self, step: int, code: int) -> None:
+        self.steps.append(step)
+        self.codes.append(code)
+
+    def dense(self, n: int) -> np.ndarray:
+        """Its code at each of the first ``n`` steps (0: no record)."""
+        out = np.zeros(n, np.uint8)
+        idx = np.frombuffer(self.steps, np.int64)
+        keep = idx < n
+        out[idx[keep]] = np.frombuffer(self.codes, np.uint8)[keep]
+        return out
+
+
 @dataclass
 class MetricStats:
     """The step records of ``metrics.jsonl`` that the report plots: time, idle ratios, roles."""
@@ -289,15 +344,17 @@ class MetricStats:
     step_seconds: list[float] = field(default_factory=list)
     idle_trainer: list[float] = field(default_factory=list)
     idle_rollout: list[float] = field(default_factory=list)
-    roles: dict[int, bytearray] = field(default_factory=dict)   # rank -> role code per step (ROLES), a byte each
+    roles: dict[int, RankRoles] = field(default_factory=dict)   # rank -> its role code at the steps it has one
     evals: int = 0
+    ignored_ranks: int = 0                                      # role/<rank> keys beyond MAX_RANKS or out of range
 
     def feed(self, line: int, r: dict) -> None:
         if r.get("kind", "step") != "step":
             self.evals += r.get("kind") == "eval"
             return
         n = len(self.step)
-        self.step.append(int(r.get("step", n + 1)))
+        step = r.get("step", n + 1)
+        self.step.append(step if type(step) is int else n + 1)
         self.time.append(_num(r.get("time")))
         self.step_seconds.append(_num(r.get("step_seconds")))
         self.idle_trainer.append(_num(r.get("idle_ratio/trainer")))
@@ -308,11 +365,13 @@ class MetricStats:
                     rank = int(key[5:])
                 except ValueError:
                     continue
-                codes = self.roles.setdefault(rank, bytearray())
-                codes.extend(bytes(n - len(codes)))
-                codes.append(ROLES.index(value) if value in ROLES else 0)
-        for codes in self.roles.values():
-            codes.extend(bytes(n + 1 - len(codes)))
+                roles = self.roles.get(rank)
+                if roles is None:
+                    if len(self.roles) >= MAX_RANKS or not 0 <= rank < 1 << 20:
+                        self.ignored_ranks += 1
+                        continue
+                    roles = self.roles[rank] = RankRoles()
+                roles.add(n, ROLES.index(value) if value in ROLES else 0)
 
 
 def _num(v: Any) -> float:

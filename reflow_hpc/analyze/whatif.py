@@ -41,6 +41,15 @@ Limits (reported, never silent): a run that resumed from a checkpoint is replaye
 restart; a what-if cannot create samples the run never generated (a larger b_max or a hungrier
 trainer finds no extra arrivals), and a dispatch still waiting at the end of the log is counted as
 ``not_dispatched``.
+
+Plugins. The run directory is data, not code: the modules its config names in ``run.plugins`` are
+never imported because the config says so. Only the modules the user names (``--plugin MODULE``)
+are imported, as ``run.plugins`` of the config the replay builds. A recorded plugin not named is
+reported (``plugins_not_imported``); the replay goes on without it when it needs it not (a plugin
+task: the replay uses no task, so the default one stands in) and is skipped, with the reason, when
+it does (the run's sampler or replay filter is not registered). A what-if the run directory cannot
+support (no config, no event log, a config that does not load) is skipped the same way: damaged
+data never stops the analysis; only a bad ``--what-if`` or ``--plugin`` is an error.
 """
 
 from __future__ import annotations
@@ -68,11 +77,18 @@ WHATIF_KEYS = ("reflow.sigma", "reflow.tau", "reflow.delta", "reflow.b_max", "re
 
 # Events the replay reads; the others are skipped unparsed (the skeleton of steps and blocks comes
 # from the report's pass over the same file).
-_SKIPPED = skip_patterns("end", "train", "sync", "synced", "checkpoint", "checkpoint_begin", "switch", "switched", "resume")
+_SKIPPED = skip_patterns("end", "train", "sync", "synced", "checkpoint", "checkpoint_begin", "switch", "switched",
+                         "resume")
 
 
 class WhatIfError(Exception):
-    """A what-if that cannot run; the message says why in one line."""
+    """A what-if the user asked for wrongly (a key it cannot change, a plugin that does not import);
+    the message says why in one line."""
+
+
+class WhatIfSkipped(Exception):
+    """A what-if the run directory cannot support (no config or event log, a recorded config that does
+    not load, a plugin it needs that was not named); the analysis goes on and reports why."""
 
 
 # ------------------------------------------------------------------------------------- the config
@@ -83,17 +99,30 @@ def run_config(run_dir: Path, bad: list[Unreadable]) -> tuple[dict, str]:
     topo = read_json(run_dir / "topology.json", "topology.json", [])   # the report names it if unreadable
     if isinstance(topo, dict) and isinstance(topo.get("config"), dict):
         return topo["config"], "topology.json"
-    for ckpt in sorted((run_dir / "checkpoints").glob("step_*"), reverse=True):
+    try:
+        ckpts = sorted((run_dir / "checkpoints").glob("step_*"), reverse=True)
+    except OSError:
+        ckpts = []
+    for ckpt in ckpts:
         rel = str((ckpt / "extra" / "config.json").relative_to(run_dir))
         cfg = read_json(ckpt / "extra" / "config.json", rel, bad)
         if isinstance(cfg, dict):
             return cfg, rel
-    raise WhatIfError("the run's config is in neither topology.json nor a checkpoint's extra/config.json")
+    raise WhatIfSkipped("the run's config is in neither topology.json nor a checkpoint's extra/config.json")
 
 
-def build_config(config: dict, overrides: list[str] = ()) -> Config:
+def recorded_plugins(config: dict) -> list[str]:
+    """The modules the recorded config names in ``run.plugins`` (only its strings: it is data)."""
+    run = config.get("run")
+    plugins = run.get("plugins") if isinstance(run, dict) else None
+    return [str(m)[:200] for m in plugins] if isinstance(plugins, list) else []
+
+
+def build_config(config: dict, overrides: list[str] = (), plugins: list[str] = ()) -> Config:
     """A :class:`~reflow_hpc.config.Config` from a section dict (as ``to_dict`` writes it) plus
-    ``section.key=value`` overrides, validated like a run's (files are not checked)."""
+    ``section.key=value`` overrides, validated like a run's (files are not checked). Its
+    ``run.plugins`` are ``plugins``, whatever the dict says: loading imports them."""
+    config = {**config, "run": {**(config.get("run") or {}), "plugins": list(plugins)}}
     sets = [f"{sec}.{key}={json.dumps(value)}" for sec, keys in config.items() if isinstance(keys, dict)
             for key, value in keys.items()]
     return load(None, sets + list(overrides), check_files=False)
@@ -212,14 +241,14 @@ class Replay:
                 self._check(int(e["step"]), e["ids"])
             elif kind == "start":
                 self._start(t, line, e)
-        except (KeyError, TypeError, ValueError, IndexError) as err:
+        except Exception as err:      # the log is data: whatever a line does to the index stops this replay
             self.out.stopped = f"line {line}: {err.__class__.__name__}: {err}"
 
     def close(self) -> Outcome:
         if self.out.stopped is None:
             try:
                 self._release(math.inf, 0)
-            except (KeyError, TypeError, ValueError, IndexError) as err:
+            except Exception as err:
                 self.out.stopped = f"at the end of the log: {err.__class__.__name__}: {err}"
         o, g = self.out, self.index.gauges()
         o.created = g["buffer/created"]
@@ -398,6 +427,31 @@ class Replay:
 
 # ------------------------------------------------------------------------------------- entry point
 
+def _recorded_config(config: dict, source: str, plugins: list[str], missing: list[str],
+                     notes: list[str]) -> tuple[Config, dict]:
+    """The run's own config, built with only the user's plugins imported, and the section dict it was
+    built from; raises WhatIfSkipped when the recorded config does not load, WhatIfError when a
+    named plugin does not import."""
+    why = f" (run.plugins of {source} names {', '.join(missing)}, not imported: name them with --plugin)" \
+        if missing else ""
+    try:
+        try:
+            return build_config(config, (), plugins), config
+        except ConfigError as e:
+            if e.key != "task.name" or not isinstance(config.get("task"), dict):
+                raise
+            # The replay runs no task: a task only a plugin registers is replaced by the default one.
+            notes.append(f"what-if: the run's task {e.value!r} is not registered{why}; the replay needs no task")
+            config = {k: v for k, v in config.items() if k != "task"}
+            return build_config(config, (), plugins), config
+    except ConfigError as e:
+        if e.key == "run.plugins":
+            raise WhatIfError(f"--plugin: {e}") from None
+        raise WhatIfSkipped(f"the run's config ({source}) does not load: {e}{why}") from None
+    except Exception as e:      # the recorded config is data: whatever it holds, the analysis goes on
+        raise WhatIfSkipped(f"the run's config ({source}) does not load: {e.__class__.__name__}: {e}") from None
+
+
 def run_outcome(events: EventStats, settings: dict) -> Outcome:
     """The run's own figures, from the event log. Its trainer waits are those of the replay under its
     settings: the log records the batches composed, not the attempts that found none."""
@@ -428,11 +482,16 @@ class WhatIf:
     other: Config
 
     @classmethod
-    def prepare(cls, run_dir: Path, overrides: list[str], bad: list[Unreadable]) -> "WhatIf":
+    def prepare(cls, run_dir: Path, overrides: list[str], bad: list[Unreadable], plugins: list[str] = (),
+                notes: list[str] | None = None) -> "WhatIf":
+        """Raises WhatIfError for a wrong request, WhatIfSkipped when the run directory cannot support
+        it (module docstring). ``notes`` receives one line per degradation (a plugin task replaced)."""
         check_overrides(overrides)
         config, source = run_config(run_dir, bad)
+        missing = [m for m in recorded_plugins(config) if m not in plugins]
+        base, config = _recorded_config(config, source, list(plugins), missing, notes if notes is not None else [])
         try:
-            base, other = build_config(config), build_config(config, overrides)
+            other = build_config(config, overrides, plugins)
             make_index(other)                  # the mode's rules may refuse the combination
         except (ConfigError, ValueError) as e:
             raise WhatIfError(f"--what-if: {e}") from None
