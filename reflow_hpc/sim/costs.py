@@ -263,4 +263,5 @@ def _compute_bound_steps(a: float, b: float, c: float, k: float) -> float:
     if a >= c:
         return 0.0
     crossing = (c - a) / b if b > 0.0 else math.inf
-    return k if crossing >= k else float(math.ceil(crossing))
+    # The step that crosses is compute-bound; never more than k steps (k may be a fraction of the crossing).
+    return k if crossing >= k else min(k, float(math.ceil(crossing)))
