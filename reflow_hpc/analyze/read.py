@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,6 +29,8 @@ from reflow_hpc.storage import jsonl, schema
 from reflow_hpc.storage.manifest import SegmentEntry
 from reflow_hpc.storage.reader import BUDGET_MIB, load_manifest, open_segment, scan_segment
 from reflow_hpc.storage.schema import StorageError, parse_segment_name
+
+_DECODER = json.JSONDecoder()
 
 # Largest values of a verified row's fields that the analysis sums by: its sums are arrays indexed
 # by version, rank and length, so a row's fields must not size them beyond these.
@@ -92,7 +95,7 @@ def iter_jsonl(path: Path, name: str, bad: list[Unreadable], *, skip: tuple[byte
         bad.append(Unreadable(name, f"cannot open: {e}"))
         return
     run: list = [0, 0, ""]                          # first and last line of the current bad run, its reason
-    loads = jsonl.loads
+    decode, depth_ok, max_depth = _DECODER.decode, jsonl.depth_ok, jsonl.MAX_DEPTH
     with f:
         for lineno, raw in jsonl.iter_lines(f):
             if raw is None:
@@ -102,18 +105,20 @@ def iter_jsonl(path: Path, name: str, bad: list[Unreadable], *, skip: tuple[byte
                     head = raw[:skip_within]
                     if any(s in head for s in skip):
                         continue
-                try:
-                    obj = loads(raw)
-                    if type(obj) is dict:
-                        yield lineno, obj
-                        continue
-                    reason = "not a JSON object"
-                except jsonl.JSONLimitError as e:
-                    reason = str(e)
-                except ValueError:                # UnicodeDecodeError and JSONDecodeError are ValueErrors
-                    if not raw.strip():
-                        continue                   # a blank line is not data
-                    reason = "not a JSON object"
+                # The bracket count bounds the depth: only a line with many brackets is scanned.
+                if raw.count(b"[") + raw.count(b"{") > max_depth and not depth_ok(raw):
+                    reason = f"nested deeper than {max_depth} levels"
+                else:
+                    try:
+                        obj = decode(raw.decode("utf-8"))   # on str: json.loads(bytes) first guesses the encoding
+                        if type(obj) is dict:
+                            yield lineno, obj
+                            continue
+                        reason = "not a JSON object"
+                    except ValueError:            # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                        if not raw.strip():
+                            continue               # a blank line is not data
+                        reason = "not a JSON object"
             if run[0] and lineno == run[1] + 1 and reason == run[2]:
                 run[1] = lineno
                 continue

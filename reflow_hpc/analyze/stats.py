@@ -196,7 +196,10 @@ class EventStats:
         ids = e["ids"]
         if not isinstance(ids, list):
             raise TypeError("ids is not a list")
-        top = max(_int(i, 0, self.created + len(ids) + ID_SLACK) for i in ids) + 1 if ids else 0
+        top = 0
+        if ids:             # only the extremes size anything: check those
+            _int(min(ids), 0, self.created + len(ids) + ID_SLACK)
+            top = _int(max(ids), 0, self.created + len(ids) + ID_SLACK) + 1
         self.created += len(ids)
         if top > self._next_id:
             self._next_id = top

@@ -82,23 +82,34 @@ def open_regular(path: str | os.PathLike) -> IO[bytes]:
 
 
 def iter_lines(f: IO[bytes], max_line: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes | None]]:
-    """(line number, bytes) of every line of ``f``, 1-based; None in place of a line longer than
-    ``max_line`` bytes, which is read past in pieces of that size, never kept."""
+    """(line number, bytes) of every line of ``f``, 1-based, without its newline; None in place of a
+    line longer than ``max_line`` bytes, which is read past, never kept whole. Reads blocks of 1 MiB
+    and splits them, faster than a readline per line."""
     lineno = 0
-    readline = f.readline
+    rest = b""                  # the start of a line whose end is in a later block
+    skipping = False            # inside a line already reported as too long
     while True:
-        raw = readline(max_line + 1)
-        if not raw:
-            return
-        lineno += 1
-        if len(raw) > max_line and not raw.endswith(b"\n"):
-            while raw and not raw.endswith(b"\n"):
-                raw = readline(max_line + 1)
+        data = f.read(1 << 20)
+        if not data:
+            break
+        if skipping:
+            cut = data.find(b"\n")
+            if cut < 0:
+                continue
+            data, skipping = data[cut + 1:], False
+        data = rest + data if rest else data
+        lines = data.split(b"\n")
+        rest = lines.pop()
+        for raw in lines:
+            lineno += 1
+            yield lineno, (raw if len(raw) <= max_line else None)
+        if len(rest) > max_line:
+            lineno += 1
             yield lineno, None
-            continue
-        yield lineno, raw
-
-
+            rest, skipping = b"", True
+    if rest:
+        lineno += 1
+        yield lineno, rest if len(rest) <= max_line else None
 def load_file(path: str | os.PathLike, *, max_bytes: int = MAX_FILE_BYTES, max_depth: int = MAX_DEPTH) -> Any:
     """A whole JSON file, bounded; OSError when it cannot be opened, ValueError when it is refused
     or is not JSON (the message says which, without the path: callers name the file)."""
