@@ -161,12 +161,18 @@ def _tokens(plt, src: Sources, res: dict) -> Any:
     times (prompt + response tokens)."""
     ev = src.events
     fig, ax = plt.subplots(figsize=FIGSIZE)
-    if ev is not None and ev.tokens_by_worker and ev.first_t is not None:
+    reached = [] if ev is None or ev.first_t is None else [s.train_t for s in ev.steps if s.train_t is not None]
+    if ev is not None and ev.tokens_by_worker and ev.first_t is not None and \
+            len(ev.tokens_by_worker) * (len(reached) + 1) <= MAX_CELLS:
         t0 = ev.starts[0][1] if ev.starts else ev.first_t
-        reached = [t0] + [s.train_t for s in ev.steps if s.train_t is not None]   # time version v was reached
-        for w, tok in sorted(ev.tokens_by_worker.items()):
-            n = min(len(tok), len(reached))
-            ax.step(np.array(reached[:n]) - t0, np.cumsum(tok[:n]), where="post", label=f"rank {w}")
+        reached = [t0] + reached                  # time version v was reached
+        for w, by_version in sorted(ev.tokens_by_worker.items()):
+            n = min(max(by_version) + 1, len(reached))
+            tok = np.zeros(n)
+            for v, x in by_version.items():
+                if v < n:
+                    tok[v] += x
+            ax.step(np.array(reached[:n]) - t0, np.cumsum(tok), where="post", label=f"rank {w}")
         ax.set_ylabel("loss tokens finished (cumulative)")
         ax.set_title("tokens per worker over time (event log)")
     elif src.flushes:

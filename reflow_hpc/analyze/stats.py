@@ -155,7 +155,7 @@ class EventStats:
     blocks: list[Block] = field(default_factory=list)
     starts: list[tuple[int, float, Any]] = field(default_factory=list)   # (line, t, resume_from)
     staleness: dict[str, Tally] = field(default_factory=lambda: {"unused": Tally("count"), "replay": Tally("count")})
-    tokens_by_worker: dict[int, list[float]] = field(default_factory=dict)   # loss tokens finished, by version
+    tokens_by_worker: dict[int, dict[int, float]] = field(default_factory=dict)  # loss tokens finished, by version
     first_t: float | None = None
 
     def __post_init__(self) -> None:
@@ -173,12 +173,14 @@ class EventStats:
 
     def feed(self, line: int, e: dict) -> None:
         kind = e.get("e")
-        kind = kind if isinstance(kind, str) else "malformed"
+        if type(kind) is not str:
+            kind = "malformed"
         self.events += 1
         self.by_kind[kind] += 1
-        t = e.get("t")
-        if self.first_t is None and type(t) in (int, float):
-            self.first_t = float(t)
+        if self.first_t is None:
+            t = e.get("t")
+            if type(t) in (int, float):
+                self.first_t = float(t)
         handler = self._handlers.get(kind)
         if handler is not None:
             try:
@@ -209,22 +211,20 @@ class EventStats:
                 self._finished = np.concatenate([self._finished, np.zeros(grow, np.bool_)])
 
     def _finish(self, line: int, e: dict) -> None:
-        sid = e["id"]
-        reason = e.get("reason", "?")
-        if not isinstance(reason, str):
-            raise TypeError("reason is not a string")
+        sid, w, v, reason = e["id"], e["w"], e["v"], e.get("reason", "?")
+        if type(w) is not int or type(v) is not int or v > MAX_VERSION or type(reason) is not str:
+            raise TypeError("w, v or reason of the wrong type or out of range")
         self.finished += 1
-        self.finish_reasons[reason[:64]] += 1
+        self.finish_reasons[reason if len(reason) <= 64 else reason[:64]] += 1
         if self._known(sid):
             self._finished[sid] = True
-        w, v = _int(e["w"], -1, 1 << 31), _int(e["v"], -1, MAX_VERSION)
         if w >= 0 and v >= 0:
             by_version = self.tokens_by_worker.get(w)
             if by_version is None:
-                by_version = self.tokens_by_worker[w] = []
-            if v >= len(by_version):
-                by_version.extend([0.0] * (v + 1 - len(by_version)))
-            by_version[v] += e["tokens"]
+                if len(self.tokens_by_worker) >= MAX_RANKS:
+                    raise ValueError(f"more than {MAX_RANKS} workers")
+                by_version = self.tokens_by_worker[w] = {}
+            by_version[v] = by_version.get(v, 0.0) + e["tokens"]
 
     def _failed(self, line: int, e: dict) -> None:
         self.failed += 1
@@ -251,9 +251,9 @@ class EventStats:
 
     def _end(self, line: int, e: dict) -> None:
         reason = e["reason"]
-        if not isinstance(reason, str):
+        if type(reason) is not str:
             raise TypeError("reason is not a string")
-        self.by_reason[reason[:64]] += 1
+        self.by_reason[reason if len(reason) <= 64 else reason[:64]] += 1
         sid = e["id"]
         if reason == "evicted_stale" and self._known(sid) and self._times_trained[sid] == 0:
             self.evicted_unused += 1
