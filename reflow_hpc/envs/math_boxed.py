@@ -1,4 +1,4 @@
-r"""Math problems from a local file, rewarded by the ``\boxed{…}`` verifier (DAPO-Math style).
+r"""Math problems from a local file (DAPO-Math style), scored by :func:`reflow_hpc.envs.math_reward`.
 
 The file (``data.path``) is JSONL, one JSON object per line, or parquet when ``pyarrow`` is
 installed. ``data.prompt_key`` and ``data.answer_key`` name the fields; a dotted key reads a nested
@@ -17,11 +17,12 @@ without this module.
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from typing import TYPE_CHECKING
 
-from ..config import data_rows
-from .boxed import boxed_reward
+from ..config import ConfigError, data_rows
+from .math_score import math_reward
 from .task import Prompt, Task, register_task
 
 if TYPE_CHECKING:
@@ -35,10 +36,14 @@ def load_rows(cfg: "Config") -> list[tuple[str, str]]:
 
 @register_task("math_boxed")
 class MathBoxed(Task):
-    r"""Prompts and reference answers from a file; reward 1 when the last \boxed{} answer matches."""
+    r"""Prompts and reference answers from a file; reward 1 when the stated answer (``Answer: X`` or
+    ``\boxed{X}``) equals the reference, by ``math_reward``."""
 
     def __init__(self, cfg: "Config"):
         super().__init__(cfg)
+        if importlib.util.find_spec("math_verify") is None:   # fail at start, not at the first reward
+            raise ConfigError("task.name", cfg.task.name, "scoring math answers needs math-verify, which is not "
+                                                          "installed (pip install -e '.[math]')")
         self.shuffle = cfg.data.shuffle
         self.rows = load_rows(cfg)
         self.split_rows: dict[str, list[int]] = {"train": [], "eval": []}
@@ -72,4 +77,4 @@ class MathBoxed(Task):
         return Prompt(row, text, answer, {"split": split})
 
     def reward(self, prompt: Prompt, response: str) -> float:
-        return boxed_reward(response, prompt.answer)
+        return math_reward(response, prompt.answer)
