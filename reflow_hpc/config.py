@@ -31,7 +31,7 @@ import typing
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from . import plugins
 
@@ -169,8 +169,8 @@ class WarmstartConfig:
 class DataConfig:
     """Prompt files for tasks that read them."""
     path: str = opt("", "JSONL or parquet file of prompts and answers (tasks that read a file, e.g. math_boxed).")
-    prompt_key: str = opt("prompt", "Field of a record holding the prompt (dotted for nested fields; a list of "
-                                    "chat messages gives its last user message).")
+    prompt_key: str = opt("prompt", "Field of a record holding the prompt (dotted for nested fields): a string, "
+                                    "or a list of chat messages, kept whole (system message included).")
     answer_key: str = opt("answer", "Field of a record holding the reference answer (dotted for nested fields, "
                                     "e.g. reward_model.ground_truth).")
     shuffle: bool = opt(True, "Walk the file's prompts in an order reshuffled every epoch from run.seed.")
@@ -190,8 +190,10 @@ class TaskConfig:
                                   + ").")
     eval_fraction: float = opt(0.05, "Fraction of prompt texts held out for evaluation (chosen by a hash of the "
                                      "text, so train and eval never share a prompt).", ge=0, le=1)
-    chat_template: bool = opt(False, "Wrap each prompt as one user message with the tokenizer's chat template "
-                                     "(instruct models); false = raw text.")
+    chat_template: bool = opt(False, "Render each prompt with the tokenizer's chat template (instruct models): a "
+                                     "chat-message prompt whole, system message included, a text prompt as one "
+                                     "user message; false = raw text (a chat prompt's contents, blank-line "
+                                     "separated).")
     digits: int = opt(1, "arithmetic, calculator_tool: max digits of an operand (1 to digits, uniform).", ge=1, le=18)
     ops: str = opt("+", "arithmetic, calculator_tool: operators between terms.", choices=("+", "+-"))
     min_terms: int = opt(2, "arithmetic, calculator_tool: fewest terms of a problem.", ge=2)
@@ -915,8 +917,8 @@ def _check_sim(cfg: Config) -> None:
 # The prompt file of [data]
 # --------------------------------------------------------------------------------------------
 
-def data_rows(cfg: Config, limit: int | None = None) -> list[tuple[str, str]]:
-    """(prompt text, reference answer) of the records of ``data.path`` (the first ``limit`` of them),
+def data_rows(cfg: Config, limit: int | None = None) -> list[DataRow]:
+    """(prompt text, reference answer, chat messages) of the records of ``data.path`` (the first ``limit``),
     read by ``data.prompt_key`` and ``data.answer_key`` (the format: reflow_hpc/envs/math_boxed.py).
     A missing, unreadable, malformed or empty file, or a record without the fields, is a ConfigError."""
     path = _data_file(cfg)
@@ -982,21 +984,34 @@ def _data_field(record: dict, dotted: str) -> Any:
     return cur
 
 
-def _prompt_text(value: Any) -> str:
+class DataRow(NamedTuple):
+    """One record of ``data.path``: the prompt text, the reference answer, and the chat messages."""
+    text: str      # the last user message of a chat prompt (the problem), or the prompt string
+    answer: str
+    messages: tuple[tuple[str, str], ...] = ()   # (role, content) of every message of a chat prompt, in order
+
+
+def _prompt_fields(value: Any) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(text, messages) of a prompt field: a string, or a list of chat messages kept whole."""
     if isinstance(value, list):   # chat messages
-        users = [m.get("content", "") for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        messages = []
+        for i, m in enumerate(value):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"chat message {i} is not a {{role, content}} pair of strings")
+            messages.append((m["role"], m["content"]))
+        users = [content for role, content in messages if role == "user"]
         if not users:
             raise ValueError("a chat-message prompt without a user message")
-        value = users[-1]
+        return users[-1], tuple(messages)
     if not isinstance(value, str):
         raise ValueError(f"prompt is a {type(value).__name__}, expected a string or chat messages")
-    return value
+    return value, ()
 
 
-def _data_row(cfg: Config, where: int, rec: dict) -> tuple[str, str]:
+def _data_row(cfg: Config, where: int, rec: dict) -> DataRow:
     d = cfg.data
     try:
-        text = _prompt_text(_data_field(rec, d.prompt_key))
+        text, messages = _prompt_fields(_data_field(rec, d.prompt_key))
     except KeyError:
         raise ConfigError("data.prompt_key", d.prompt_key, f"no such field in record {where} of {d.path}") from None
     except ValueError as e:
@@ -1007,7 +1022,7 @@ def _data_row(cfg: Config, where: int, rec: dict) -> tuple[str, str]:
         raise ConfigError("data.answer_key", d.answer_key, f"no such field in record {where} of {d.path}") from None
     if isinstance(answer, list) and len(answer) == 1:
         answer = answer[0]
-    return text, str(answer)
+    return DataRow(text, str(answer), messages)
 
 
 def notices(cfg: Config) -> list[str]:

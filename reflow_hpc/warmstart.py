@@ -82,7 +82,7 @@ def sft_example(tokenizer: Any, task: Task, prompt: Prompt, chat_template: bool 
                 unverifiable: bool = False) -> tuple[list[int], list[int]]:
     """(input ids, labels) of one worked solution; labels are IGNORE on prompt and observations.
     ``unverifiable``: its answer line is written with UNVERIFIABLE_MARKER, which the reward rejects."""
-    ids = prompt_token_ids(tokenizer, prompt.text, chat_template)
+    ids = prompt_token_ids(tokenizer, prompt, chat_template)
     labels = [IGNORE] * len(ids)
     segments = task.solution_segments(prompt)
     if unverifiable:

@@ -14,7 +14,7 @@ Rules:
 - Prompts: the train split of the configured task at indices 0, 1, 2, … in that order (the order
   in which our coordinator opens groups), ``batch_size / group_size`` prompts per step. Prompts are
   raw text tokenized like :func:`reflow_hpc.envs.prompt_token_ids` (the tokenizer's bos rule), or
-  one user message when ``task.chat_template`` is true. Only single-turn tasks: TRL's tool loop
+  the prompt's chat messages, whole, when ``task.chat_template`` is true. Only single-turn tasks: TRL's tool loop
   is not our environment protocol.
 - Reward: ``task.reward(prompt, completion)`` on the completion text with special tokens removed,
   TRL's only reward function (weight 1).
@@ -132,8 +132,7 @@ def mismatches(cfg: "Config") -> list[str]:
 
 
 def _prompt_row(cfg: "Config", prompt: Any) -> dict:
-    text = [{"role": "user", "content": prompt.text}] if cfg.task.chat_template else prompt.text
-    return {"prompt": text, "prompt_id": prompt.prompt_id}
+    return {"prompt": prompt.chat() if cfg.task.chat_template else prompt.raw(), "prompt_id": prompt.prompt_id}
 
 
 def _mean(xs: list[float]) -> float:
@@ -175,7 +174,7 @@ def run_trl(cfg: "Config", *, steps: int | None = None, max_seconds: float | Non
         per_step = cfg.trainer.batch_size // group
         prompts = [task.prompt(i, "train") for i in range(steps * per_step)]
         by_id = {p.prompt_id: p for p in prompts}
-        prompt_len = {p.prompt_id: len(prompt_token_ids(tokenizer, p.text, cfg.task.chat_template)) for p in prompts}
+        prompt_len = {p.prompt_id: len(prompt_token_ids(tokenizer, p, cfg.task.chat_template)) for p in prompts}
 
         step_rewards: list[float] = []
         counts = {"generated": 0, "trained": 0, "samples": 0}

@@ -3,7 +3,9 @@ r"""Math problems from a local file (DAPO-Math style), scored by :func:`reflow_h
 The file (``data.path``) is JSONL, one JSON object per line, or parquet when ``pyarrow`` is
 installed. ``data.prompt_key`` and ``data.answer_key`` name the fields; a dotted key reads a nested
 field (``reward_model.ground_truth``). A prompt field that is a list of chat messages
-(``[{"role": "user", "content": …}]``) contributes the content of its last user message.
+(``[{"role": "system", …}, {"role": "user", "content": …}]``; DAPO-Math-17k's hold one user message) is kept whole:
+with ``task.chat_template`` every message goes through the tokenizer's chat template, system message
+included; the prompt's ``text`` is its last user message (the problem, which the eval split hashes).
 
 Rows are split once into train and eval by the hash of their prompt text (``task.eval_fraction``);
 ``prompt_id`` is the row number in the file. Index ``i`` of a split walks the split's rows in an
@@ -26,11 +28,11 @@ from .math_score import math_reward
 from .task import Prompt, Task, register_task
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..config import Config, DataRow
 
 
-def load_rows(cfg: "Config") -> list[tuple[str, str]]:
-    """(prompt text, reference answer) of every record of ``data.path``."""
+def load_rows(cfg: "Config") -> list["DataRow"]:
+    """(prompt text, reference answer, chat messages) of every record of ``data.path``."""
     return data_rows(cfg)
 
 
@@ -47,7 +49,7 @@ class MathBoxed(Task):
         self.shuffle = cfg.data.shuffle
         self.rows = load_rows(cfg)
         self.split_rows: dict[str, list[int]] = {"train": [], "eval": []}
-        for i, (text, _) in enumerate(self.rows):
+        for i, (text, _, _) in enumerate(self.rows):
             self.split_rows["eval" if self.in_eval_split(text) else "train"].append(i)
         self._orders: dict[tuple[str, int], list[int]] = {}
 
@@ -73,8 +75,8 @@ class MathBoxed(Task):
                              f"(task.eval_fraction = {self.eval_fraction})")
         epoch, pos = divmod(index, n)
         row = self._order(split, epoch)[pos]
-        text, answer = self.rows[row]
-        return Prompt(row, text, answer, {"split": split})
+        text, answer, messages = self.rows[row]
+        return Prompt(row, text, answer, {"split": split}, messages)
 
     def reward(self, prompt: Prompt, response: str) -> float:
         return math_reward(response, prompt.answer)

@@ -56,9 +56,20 @@ SPLITS = ("train", "eval")
 @dataclass(frozen=True)
 class Prompt:
     prompt_id: int   # identity of the prompt within its task and split (row number for file tasks)
-    text: str
+    text: str        # the problem: a chat prompt's last user message (what the eval split hashes)
     answer: str      # reference answer, as text
     meta: dict = field(default_factory=dict)   # small JSON-able extras (split, terms, ...)
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content) of a chat prompt, system message included
+
+    def chat(self) -> list[dict[str, str]]:
+        """The prompt as chat messages: its own, whole, or its text as one user message."""
+        if self.messages:
+            return [{"role": role, "content": content} for role, content in self.messages]
+        return [{"role": "user", "content": self.text}]
+
+    def raw(self) -> str:
+        """The prompt as raw text: a chat prompt's contents separated by blank lines, or its text."""
+        return "\n\n".join(content for _, content in self.messages) if self.messages else self.text
 
 
 @dataclass(frozen=True)
@@ -192,11 +203,12 @@ def make_task(cfg: "Config") -> Task:
     return cls(cfg)
 
 
-def prompt_token_ids(tokenizer: Any, text: str, chat_template: bool = False) -> list[int]:
-    """Token ids of a prompt: raw text (with the tokenizer's bos rule), or a one-message chat."""
+def prompt_token_ids(tokenizer: Any, prompt: Prompt | str, chat_template: bool = False) -> list[int]:
+    """Token ids of a prompt: raw text (with the tokenizer's bos rule), or rendered by the chat template
+    (a Prompt's own messages whole, system message included; a string as one user message)."""
     if chat_template:
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
+        messages = prompt.chat() if isinstance(prompt, Prompt) else [{"role": "user", "content": prompt}]
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return [int(i) for i in ids]
-    return [int(i) for i in tokenizer.encode(text)]
+    return [int(i) for i in tokenizer.encode(prompt.raw() if isinstance(prompt, Prompt) else prompt)]

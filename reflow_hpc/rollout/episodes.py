@@ -61,7 +61,7 @@ class EpisodeRunner:
             prompt: Prompt | None = None) -> None:
         """Start sample ``sample_id`` on the task's prompt ``prompt_id`` of ``split`` (or on ``prompt``)."""
         prompt = prompt if prompt is not None else self.task.prompt(prompt_id, split)
-        tokens = np.asarray(prompt_token_ids(self.tokenizer, prompt.text, self.chat_template), dtype=np.int32)
+        tokens = np.asarray(prompt_token_ids(self.tokenizer, prompt, self.chat_template), dtype=np.int32)
         self._live[sample_id] = _Sample(sample_id, group_id, prompt_id, prompt, tokens, self.task.start(prompt))
         self.engine.add(Request(sample_id, tokens, self.sampling))
 

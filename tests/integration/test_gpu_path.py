@@ -46,7 +46,8 @@ def test_128_gpu_config_reads_dapo_math_rows(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = C.load(BIG, [f"data.path={path}"], check_files=False)
     got = load_rows(cfg)
-    assert got[3] == ("What is 3 + 3? Put the answer in \\boxed{}.", "6")
+    assert got[3][:2] == ("What is 3 + 3? Put the answer in \\boxed{}.", "6")
+    assert got[3].messages == (("user", "What is 3 + 3? Put the answer in \\boxed{}."),)
 
 
 def test_submit_dry_run_shows_the_128_gpu_job():

@@ -121,3 +121,57 @@ def test_concurrent_calls_from_many_threads():
     for t in threads:
         t.join(30)
     assert got == [c[2] for c in cases]
+
+
+# --------------------------------------------------------------------------------------------
+# DAPO-Math-17k end to end: a parquet file in the dataset's schema, read by the 128-GPU config's keys
+# --------------------------------------------------------------------------------------------
+
+SYSTEM = "You are a careful mathematician."
+PROBLEM = ("Solve the following math problem step by step. The last line of your response should be of the form "
+           "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nWhat is 17 + 17?\n\n"
+           "Remember to put your answer on its own line after \"Answer:\"")
+
+
+def _dapo_parquet(path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [{"data_source": "math_dapo",
+             "prompt": [{"content": SYSTEM, "role": "system"}, {"content": PROBLEM, "role": "user"}],
+             "ability": "MATH",
+             "reward_model": {"ground_truth": "34", "style": "rule-lighteval/MATH_v2"},
+             "extra_info": {"index": "9a9b6eb4-a1cb-49d1-8c1e-62eaf2f74079"}}]
+    message = pa.struct([("content", pa.string()), ("role", pa.string())])
+    schema = pa.schema([("data_source", pa.string()), ("prompt", pa.list_(message)), ("ability", pa.string()),
+                        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+                        ("extra_info", pa.struct([("index", pa.string())]))])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+
+
+def test_dapo_math_parquet_end_to_end(tmp_path):
+    from pathlib import Path
+
+    from reflow_hpc import config as C
+    from reflow_hpc import envs
+    from reflow_hpc.envs.tokenizer import build_char_tokenizer
+
+    path = tmp_path / "dapo-math-17k.parquet"
+    _dapo_parquet(path)
+    big = Path(__file__).resolve().parents[2] / "configs" / "qwen3_8b_dapo_128gpu.toml"
+    cfg = C.load(str(big), [f"data.path={path}", "task.eval_fraction=0"], check_files=False)
+    assert (cfg.task.name, cfg.task.chat_template) == ("math_boxed", True)
+    task = envs.make_task(cfg)
+    p = task.prompt(0)
+    assert p.answer == "34" and p.text == PROBLEM
+    assert task.reward(p, "17 + 17 = 34.\nAnswer: 34") == 1.0
+    assert task.reward(p, r"So the sum is \boxed{34}.") == 1.0
+    assert task.reward(p, "Answer: 35") == 0.0
+    assert task.reward(p, "34") == 0.0                        # no stated answer
+
+    tok = build_char_tokenizer(max_length=4096)
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    ids = envs.prompt_token_ids(tok, p, chat_template=cfg.task.chat_template)
+    assert tok.decode(ids, skip_special_tokens=True) == f"<system>{SYSTEM}<user>{PROBLEM}<assistant>"
+    raw = tok.decode(envs.prompt_token_ids(tok, p), skip_special_tokens=True)
+    assert raw == f"{SYSTEM}\n\n{PROBLEM}"                    # raw text keeps the system message too
