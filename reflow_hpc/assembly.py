@@ -8,7 +8,7 @@ adaptive generation scheduling apply to mode ``reflow`` only.
 
 from __future__ import annotations
 
-from .config import Config
+from .config import Config, objective_traits
 from .core.coordinator import Coordinator, Settings
 from .core.index import build_index
 from .core.modes import rules
@@ -53,6 +53,9 @@ def coordinator_settings(cfg: Config, *, workers: int | None = None, replica_siz
 def new_coordinator(cfg: Config, settings: Settings, *, trainers: list[int], rollouts: list[int], world: int,
                     resume_from: str | None = None) -> Coordinator:
     """A coordinator with the config's replay index (σ, τ, δ, b_max, sampler, replay filter, seed)."""
+    estimator, agg = objective_traits(cfg)
+    # seq_mean_token_mean gives every sample the same share of the loss, so its weights average 1 per sample
     index = build_index(cfg.reflow, group_size=cfg.algorithm.group_size, batch_size=cfg.trainer.batch_size,
-                        seed=cfg.run.seed, adv_eps=cfg.algorithm.adv_eps, adv_std_norm=cfg.algorithm.adv_std_norm)
+                        seed=cfg.run.seed, adv_eps=cfg.algorithm.adv_eps, adv_std_norm=cfg.algorithm.adv_std_norm,
+                        adv_estimator=estimator, per_sample_weights=agg == "seq_mean_token_mean")
     return Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=world, resume_from=resume_from)

@@ -215,16 +215,70 @@ class TaskConfig:
     tool_max_digits: int = opt(40, "calculator_tool: most digits of any intermediate result.", ge=1)
 
 
+# Objectives built into reflow_hpc/train/objectives/ (their loss code) with what validation and the
+# coordinator need of them: the advantage estimator (core/advantages.py) and the default aggregation.
+# A name is valid without importing train/ (torch); a plugin's objective is valid once registered
+# (reflow_hpc.plugins.register_objective). tests/unit/test_objectives.py holds the classes to this table.
+BUILTIN_OBJECTIVES: dict[str, tuple[str, str]] = {
+    "grpo": ("group_norm", "token_mean"),
+    "dr_grpo": ("group_centre", "seq_mean_token_sum_norm"),
+    "dapo": ("group_norm", "token_mean"),
+    "gspo": ("group_norm", "seq_mean_token_mean"),
+    "cispo": ("group_norm", "token_mean"),
+    "rloo": ("leave_one_out", "token_mean"),
+}
+LOSS_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
 @dataclass
 class AlgorithmConfig:
     """The RL objective."""
-    name: str = opt("grpo", "Policy-gradient objective.", choices=("grpo",))
-    group_size: int = opt(8, "Samples per prompt (n); advantages are normalised within a group.", ge=1)
-    clip_low: float = opt(0.2, "PPO clip: ratio is clipped below at 1 - clip_low.", ge=0, lt=1)
-    clip_high: float = opt(0.2, "PPO clip: ratio is clipped above at 1 + clip_high.", ge=0)
+    name: str = opt("grpo", "Objective (registered name; built in: grpo — Shao et al. 2024, DeepSeekMath; dr_grpo — "
+                            "Liu et al. 2025, Understanding R1-Zero-Like Training; dapo — Yu et al. 2025, DAPO; gspo — "
+                            "Zheng et al. 2025, Group Sequence Policy Optimization; cispo — MiniMax-M1 2025; rloo — "
+                            "Ahmadian et al. 2024, Back to Basics). Formulas: docs/objectives.md.")
+    loss_agg: str = opt("auto", "How per-token losses become the batch loss, normalised over the whole batch (every "
+                            "micro-batch and replica): token_mean (Σ over tokens / loss tokens), seq_mean_token_sum "
+                            "(Σ / samples), seq_mean_token_mean (mean of per-sample token means), "
+                            "seq_mean_token_sum_norm (Σ / (samples · rollout.max_new_tokens), Dr. GRPO). "
+                            "auto = the objective's own (grpo, dapo, cispo, rloo: token_mean; dr_grpo: "
+                            "seq_mean_token_sum_norm; gspo: seq_mean_token_mean).", choices=("auto",) + LOSS_AGGS)
+    group_size: int = opt(8, "Samples per prompt (n); advantages are normalised within a group (≥ 2 for the "
+                             "group-based objectives).", ge=1)
+    clip_low: float = opt(0.2, "PPO clip: ratio is clipped below at 1 - clip_low (Schulman et al. 2017).", ge=0, lt=1)
+    clip_high: float = opt(0.2, "PPO clip: ratio is clipped above at 1 + clip_high (not dapo, gspo, cispo: "
+                                "their own keys).", ge=0)
+    dapo_clip_high: float = opt(0.28, "dapo: clip-higher, the ratio is clipped above at 1 + dapo_clip_high "
+                                      "(below at 1 - clip_low; Yu et al. 2025, DAPO).", ge=0)
+    gspo_clip_low: float = opt(3e-4, "gspo: the sequence ratio is clipped below at 1 - gspo_clip_low "
+                                     "(Zheng et al. 2025, GSPO).", ge=0, lt=1)
+    gspo_clip_high: float = opt(4e-4, "gspo: the sequence ratio is clipped above at 1 + gspo_clip_high "
+                                      "(Zheng et al. 2025, GSPO).", ge=0)
+    cispo_clip_high: float = opt(5.0, "cispo: the stop-gradient importance weight is clipped above at this value "
+                                      "(ε_max of ScaleRL, Khatri et al. 2025; MiniMax-M1 2025).", gt=0)
+    clip_ratio_c: float = opt(0.0, "Dual-clip PPO (Ye et al. 2020, Mastering Complex Control in MOBA Games): for "
+                                   "a negative advantage the clipped loss is capped at clip_ratio_c · |A| "
+                                   "(0 = off; else > 1, e.g. 3). PPO-clip objectives only.", ge=0)
     kl_coef: float = opt(0.0, "Weight of the KL penalty to the frozen reference policy (0 = no reference model).", ge=0)
+    kl_estimator: str = opt("k3", "Estimator of KL(π ‖ π_ref) per token (Schulman 2020, Approximating KL "
+                                  "Divergence): k1 = log π/π_ref, k2 = ½(log π/π_ref)², k3 = π_ref/π − log "
+                                  "π_ref/π − 1, low_var_kl = k3 clamped to [−10, 10] (verl).",
+                            choices=("k1", "k2", "k3", "low_var_kl"))
+    entropy_coef: float = opt(0.0, "Entropy bonus: the loss subtracts entropy_coef × the policy's per-token "
+                                   "entropy, aggregated like the policy loss (Williams & Peng 1991; 0 = off).", ge=0)
+    is_cap: float = opt(0.0, "Off-policy correction, decoupled as in AReaL (Fu et al. 2025) and verl's rollout "
+                             "correction: clip against the proximal policy (the trainer's log-probs at the start "
+                             "of the step) and weight each token by π_prox/π_behav (behaviour = the engine's "
+                             "recorded log-probs), capped at is_cap (truncated IS, Yao et al. 2025, Your Efficient "
+                             "RL Framework Secretly Brings You Off-Policy RL Training). 0 = off: the ratio and the "
+                             "clip are against the behaviour log-probs; else ≥ 1.", ge=0)
+    is_level: str = opt("token", "Off-policy correction: the weight per token, or one per sample (the product of "
+                                 "its token weights).", choices=("token", "sequence"))
+    is_mode: str = opt("truncate", "Off-policy correction: truncate weights above is_cap to is_cap (TIS), or mask "
+                                   "them to 0 (MIS, verl's rollout correction).", choices=("truncate", "mask"))
     adv_eps: float = opt(1e-6, "Added to the group's reward std before dividing.", gt=0)
-    adv_std_norm: bool = opt(True, "Divide advantages by the group's reward std (false: centre only).")
+    adv_std_norm: bool = opt(True, "Divide advantages by the group's reward std (false: centre only). Objectives "
+                                   "whose estimator is group_norm (grpo, dapo, gspo, cispo) only.")
 
 
 @dataclass
@@ -778,6 +832,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
             why = "no such directory" if not model.exists() else "no config.json in this directory"
             raise ConfigError("model.path", cfg.model.path,
                               f"{why} (a Hugging Face model directory; or set model.warmstart = true)")
+    _check_algorithm(cfg)
     _check_task(cfg, check_files)
     _check_rollout(cfg)
     _check_sim(cfg)
@@ -870,6 +925,45 @@ def _check_tensor_parallel(cfg: Config) -> None:
                               f"instances would not be aligned")
     # The planner's feasible splits leave (W − n_T·s_T) a multiple of s_R (core/placement.py), and W is one
     # here, so every split it may choose is aligned as well.
+
+
+def objective_traits(cfg: Config) -> tuple[str, str]:
+    """(advantage estimator, aggregation) of the config's objective: ``algorithm.loss_agg``, or the
+    objective's own when it is ``auto``. The name must be valid (:func:`validate` checks it)."""
+    a = cfg.algorithm
+    if a.name in BUILTIN_OBJECTIVES:
+        estimator, agg = BUILTIN_OBJECTIVES[a.name]
+    else:
+        cls = plugins.objective_class(a.name)
+        estimator, agg = getattr(cls, "advantage", "group_norm"), getattr(cls, "loss_agg", "token_mean")
+    return estimator, agg if a.loss_agg == "auto" else a.loss_agg
+
+
+def _check_algorithm(cfg: Config) -> None:
+    a = cfg.algorithm
+    registered = plugins.objective_names()
+    if a.name not in BUILTIN_OBJECTIVES and a.name not in registered:
+        raise ConfigError("algorithm.name", a.name, "allowed: " + ", ".join([*BUILTIN_OBJECTIVES, *registered]))
+    from .core.advantages import ESTIMATORS
+    estimator, agg = objective_traits(cfg)
+    if estimator not in ESTIMATORS or agg not in LOSS_AGGS:
+        raise ConfigError("algorithm.name", a.name, f"the objective's advantage estimator ({estimator!r}) or "
+                                                    f"aggregation ({agg!r}) is unknown")
+    if a.group_size < 2:
+        raise ConfigError("algorithm.group_size", a.group_size, f"objective {a.name} compares the samples of a "
+                                                                f"group: needs ≥ 2")
+    if 0 < a.clip_ratio_c <= 1:
+        raise ConfigError("algorithm.clip_ratio_c", a.clip_ratio_c, "must be 0 (off) or > 1: the dual clip caps "
+                                                                    "a negative advantage's loss above the PPO clip")
+    if a.clip_ratio_c and a.name in ("gspo", "cispo"):
+        raise ConfigError("algorithm.clip_ratio_c", a.clip_ratio_c, f"objective {a.name} has no PPO token clip "
+                                                                    f"to dual-clip: set 0")
+    if 0 < a.is_cap < 1:
+        raise ConfigError("algorithm.is_cap", a.is_cap, "must be 0 (off) or ≥ 1: a cap below 1 would shrink "
+                                                        "on-policy tokens")
+    check = getattr(plugins.objective_class(a.name), "check", None)
+    if a.name not in BUILTIN_OBJECTIVES and check is not None:
+        check(cfg)
 
 
 def _check_task(cfg: Config, check_files: bool) -> None:

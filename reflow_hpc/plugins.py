@@ -1,4 +1,5 @@
-"""Tasks by name, and the user's modules (``run.plugins``) that add tasks, samplers and filters.
+"""Tasks and objectives by name, and the user's modules (``run.plugins``) that add tasks, objectives,
+samplers and filters.
 
 A config selects a task (``task.name``), a replay sampler (``reflow.sampler``) and a replay filter
 (``reflow.replay_filter``) by name. The sampler and filter tables live in ``core``
@@ -7,6 +8,13 @@ A config selects a task (``task.name``), a replay sampler (``reflow.sampler``) a
 code. The built-in tasks need no registration to be valid names: ``config.BUILTIN_TASKS`` names them
 and their rules are config's own section checks, so a config is judged alike whether or not
 ``reflow_hpc.envs`` was imported. ``reflow_hpc.envs.register_task`` files a task class here.
+
+Objectives (``algorithm.name``) follow the same pattern: the built-in ones are named, with their
+advantage estimator and default aggregation, in ``config.BUILTIN_OBJECTIVES`` and filled into the
+trainer's table in one place, ``reflow_hpc/train/objectives/__init__.py``; a plugin's objective is
+filed here by ``@register_objective("name")`` (a subclass of
+``reflow_hpc.train.objectives.base.Objective``, whose class attributes ``advantage`` and ``loss_agg``
+validation reads) and may check the keys it reads in a classmethod ``check(cfg)``.
 
 :func:`import_plugin` is the one place the package imports a module by a name it reads at run
 time. ``config.validate`` calls it for each module of ``run.plugins`` before it checks the
@@ -44,6 +52,31 @@ def task_class(name: str) -> type | None:
 def task_names() -> list[str]:
     """Names of the registered task classes."""
     return sorted(_TASKS)
+
+
+_OBJECTIVES: dict[str, type] = {}
+
+
+def register_objective(name: str) -> Callable[[type], type]:
+    """Class decorator: make an Objective subclass available as ``algorithm.name = name``."""
+    def deco(cls: type) -> type:
+        if name in _OBJECTIVES and _OBJECTIVES[name] is not cls:
+            raise ValueError(f"objective {name!r} is registered twice ({_OBJECTIVES[name].__name__}, "
+                             f"{cls.__name__})")
+        cls.name = name
+        _OBJECTIVES[name] = cls
+        return cls
+    return deco
+
+
+def objective_class(name: str) -> type | None:
+    """The plugin objective class registered as ``name``, or None."""
+    return _OBJECTIVES.get(name)
+
+
+def objective_names() -> list[str]:
+    """Names of the objectives plugins registered."""
+    return sorted(_OBJECTIVES)
 
 
 def import_plugin(module: str) -> None:

@@ -1,9 +1,12 @@
-"""GRPO group-normalised advantages.
+"""Group advantages: the estimators an objective (``algorithm.name``) chooses from by name.
 
 For the finished members of one group with rewards r_1..r_m:
 
-    A_i = (r_i - mean(r)) / (std(r) + eps)      (std_norm = True)
-    A_i =  r_i - mean(r)                        (std_norm = False)
+    group_norm:     A_i = (r_i - mean(r)) / (std(r) + eps)   (GRPO, Shao et al. 2024; std_norm = False
+                    leaves A_i = r_i - mean(r))
+    group_centre:   A_i =  r_i - mean(r)                     (Dr. GRPO, Liu et al. 2025: no std)
+    leave_one_out:  A_i =  r_i - mean_{j≠i}(r_j) = m/(m-1) · (r_i - mean(r))
+                    (RLOO, Ahmadian et al. 2024, "Back to Basics"; 0 for a group of one)
 
 std is the population standard deviation (divides by m), so a group with one finished member, or
 with equal rewards, gets advantages of 0 instead of a division by zero.
@@ -15,13 +18,24 @@ import math
 from typing import Sequence
 
 
-def group_advantages(rewards: Sequence[float], *, eps: float, std_norm: bool = True) -> list[float]:
+ESTIMATORS = ("group_norm", "group_centre", "leave_one_out")
+
+
+def group_advantages(rewards: Sequence[float], *, eps: float, std_norm: bool = True,
+                     estimator: str = "group_norm") -> list[float]:
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"advantage estimator {estimator!r}: allowed: " + ", ".join(ESTIMATORS))
     m = len(rewards)
     if m == 0:
         return []
     mean = math.fsum(rewards) / m
     centred = [r - mean for r in rewards]
-    if not std_norm:
+    if estimator == "leave_one_out":
+        if m == 1:
+            return [0.0]       # no other member to be a baseline
+        # r_i - (Σr - r_i)/(m-1), written from the centred values: exact for equal rewards
+        return [c * m / (m - 1) for c in centred]
+    if estimator == "group_centre" or not std_norm:
         return centred
     std = math.sqrt(math.fsum(c * c for c in centred) / m)
     scale = 1.0 / (std + eps)

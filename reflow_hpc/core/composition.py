@@ -11,7 +11,9 @@
     Each sample carries a base weight ``ω_i`` (1 unless its task says otherwise). Its loss weight is
     ``w_i = ω_i`` (unused) or ``τ·ω_i`` (replay), normalised by ``Z = Σ w_j n_j / Σ n_j``
     (``n_j`` = loss tokens of sample j) so that the token-weighted mean weight is 1
-    (:mod:`reflow_hpc.core.mixing`). Each batch reports ``α = τλ/(1-λ+τλ) ≤ τσ/(1-σ+τσ)``.
+    (:mod:`reflow_hpc.core.mixing`); under the ``seq_mean_token_mean`` aggregation, where every
+    sample has the same share of the loss, ``Z = Σ w_j / b`` (``per_sample_weights``) so that the
+    mean weight is 1. Each batch reports ``α = τλ/(1-λ+τλ) ≤ τσ/(1-σ+τσ)``.
 
 A batch lists its unused samples first, then its replay samples; the sampler draws its randomness
 only from the composer's seeded ``random.Random``, so the same events give the same batches.
@@ -66,8 +68,10 @@ class Composer:
     """The σ and τ rules for batches of ``batch_size`` samples taken out of ``pool``, and the count
     of batches composed. ``sampler`` picks the replay samples with the composer's ``rng``."""
 
-    def __init__(self, *, batch_size: int, sigma: float, tau: float, pool: Pool, sampler: Sampler, seed: int = 0):
+    def __init__(self, *, batch_size: int, sigma: float, tau: float, pool: Pool, sampler: Sampler, seed: int = 0,
+                 per_sample_weights: bool = False):
         self.batch_size, self.sigma, self.tau = batch_size, sigma, tau
+        self.per_sample_weights = per_sample_weights
         self.max_replay = max_replay_slots(batch_size, sigma)       # floor(b·σ)
         self.min_unused = batch_size - self.max_replay              # ceil(b·(1-σ))
         self.pool, self.sampler = pool, sampler
@@ -109,7 +113,8 @@ class Composer:
             owners=tuple([rec.owner for rec in recs]),
             is_replay=is_replay,
             advantages=tuple([rec.advantage for rec in recs]),
-            loss_weights=tuple(loss_weights(is_replay, tokens, self.tau, [rec.base_weight for rec in recs])),
+            loss_weights=tuple(loss_weights(is_replay, tokens, self.tau, [rec.base_weight for rec in recs],
+                                            per_sample=self.per_sample_weights)),
             loss_tokens=tokens,
             staleness=tuple([version - rec.min_version for rec in recs]),
             rewards=tuple([rec.reward for rec in recs]),

@@ -74,6 +74,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from reflow_hpc.core import index_state
 from reflow_hpc.core.accounting import Accounting
+from reflow_hpc.core.advantages import ESTIMATORS
 from reflow_hpc.core.composition import Batch, Composer
 from reflow_hpc.core.dispatch_window import DispatchWindow
 from reflow_hpc.core.filters import ReplayFilter, make_replay_filter
@@ -101,7 +102,8 @@ class ReplayIndex:
 
     def __init__(self, *, group_size: int, batch_size: int, sigma: float, tau: float, delta: int,
                  b_max: int, sampler: Sampler, replay_filter: ReplayFilter, seed: int = 0,
-                 adv_eps: float = 1e-6, adv_std_norm: bool = True):
+                 adv_eps: float = 1e-6, adv_std_norm: bool = True, adv_estimator: str = "group_norm",
+                 per_sample_weights: bool = False):
         _require(isinstance(group_size, int) and group_size >= 1, "group_size", group_size, "must be an integer ≥ 1")
         _require(isinstance(batch_size, int) and batch_size >= 1, "batch_size", batch_size, "must be an integer ≥ 1")
         _require(0.0 <= sigma < 1.0, "sigma", sigma, "must be in [0, 1)")
@@ -110,6 +112,7 @@ class ReplayIndex:
         _require(isinstance(b_max, int) and b_max >= group_size, "b_max", b_max,
                  f"must be ≥ the group size {group_size} (groups are dispatched whole)")
         _require(adv_eps > 0.0, "adv_eps", adv_eps, "must be > 0")
+        _require(adv_estimator in ESTIMATORS, "adv_estimator", adv_estimator, "allowed: " + ", ".join(ESTIMATORS))
         _require(isinstance(sampler, Sampler), "sampler", type(sampler).__name__, "must be a Sampler")
         _require(isinstance(replay_filter, ReplayFilter), "replay_filter", type(replay_filter).__name__,
                  "must be a ReplayFilter")
@@ -119,9 +122,9 @@ class ReplayIndex:
         self.sampler, self.replay_filter = sampler, replay_filter
         self._accounts = Accounting()
         self._pool = Pool(delta=delta, sampler=sampler, accounts=self._accounts, adv_eps=self.adv_eps,
-                          adv_std_norm=self.adv_std_norm)
+                          adv_std_norm=self.adv_std_norm, adv_estimator=adv_estimator)
         self._composer = Composer(batch_size=batch_size, sigma=self.sigma, tau=self.tau, pool=self._pool,
-                                  sampler=sampler, seed=seed)
+                                  sampler=sampler, seed=seed, per_sample_weights=per_sample_weights)
         self._window = DispatchWindow(b_max, self._pool.count, self._composer.ready)
         self._parts = IndexParts(self._pool, self._accounts, self._composer, self._window, sampler, replay_filter)
         self._samples, self._count = self._pool.samples, self._pool.count    # the pool's own, for O(1) queries
@@ -382,7 +385,8 @@ def _require(ok: bool, name: str, value: Any, why: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 def build_index(reflow: Any, *, group_size: int, batch_size: int, seed: int, adv_eps: float = 1e-6,
-                adv_std_norm: bool = True) -> ReplayIndex:
+                adv_std_norm: bool = True, adv_estimator: str = "group_norm",
+                per_sample_weights: bool = False) -> ReplayIndex:
     """The index, sampler and replay filter that a ``[reflow]`` config section describes.
 
     ``reflow`` is read by attribute (mode, sigma, tau, delta, b_max, sampler, replay_filter,
@@ -398,5 +402,6 @@ def build_index(reflow: Any, *, group_size: int, batch_size: int, seed: int, adv
         b_max=b_max,
         sampler=make_sampler(reflow.sampler, reflow),
         replay_filter=make_replay_filter(reflow.replay_filter, reflow),
-        seed=seed, adv_eps=adv_eps, adv_std_norm=adv_std_norm,
+        seed=seed, adv_eps=adv_eps, adv_std_norm=adv_std_norm, adv_estimator=adv_estimator,
+        per_sample_weights=per_sample_weights,
     )

@@ -7,6 +7,10 @@
 - Loss weights: ``w_i = ω_i`` for an unused sample and ``τ·ω_i`` for a replay sample, normalised by
   ``Z = Σ_j w_j n_j / Σ_j n_j`` (n_j = loss tokens of sample j), so ``Σ w̃_i n_i / Σ n_i = 1``: the
   token-weighted mean weight is one and the loss scale does not depend on the replay fraction.
+  That is the right mass when a sample's share of the loss grows with its tokens (aggregations
+  ``token_mean``, ``seq_mean_token_sum``, ``seq_mean_token_sum_norm``). Under
+  ``seq_mean_token_mean`` every sample has the same share, so ``per_sample`` normalises by
+  ``Z = Σ_j w_j / m`` over the m samples instead: the plain mean weight is one.
 - Mixing weight: with replay fraction ``λ = r/b``, the replayed part contributes
   ``α = τλ / (1 - λ + τλ)`` of the gradient in the equal-mass model; since λ ≤ σ,
   ``α ≤ τσ / (1 - σ + τσ)`` (σ = τ = 0.5 gives α ≤ 1/3).
@@ -29,7 +33,7 @@ def min_unused(batch_size: int, sigma: float) -> int:
 
 
 def loss_weights(is_replay: Sequence[bool], loss_tokens: Sequence[int], tau: float,
-                 base_weights: Sequence[float] | None = None) -> list[float]:
+                 base_weights: Sequence[float] | None = None, *, per_sample: bool = False) -> list[float]:
     """Normalised per-sample loss weights w̃_i (see the module docstring).
 
     When no sample carries loss tokens (or every weight is zero) there is nothing to normalise and
@@ -39,6 +43,12 @@ def loss_weights(is_replay: Sequence[bool], loss_tokens: Sequence[int], tau: flo
         w = [tau if r else 1.0 for r in is_replay]
     else:
         w = [b * tau if r else b for r, b in zip(is_replay, base_weights, strict=True)]
+    if per_sample:
+        total = math.fsum(w)
+        if not w or total <= 0.0:
+            return w
+        inv = len(w) / total
+        return [wi * inv for wi in w]
     total_tokens = sum(loss_tokens)
     mass = math.fsum(wi * n for wi, n in zip(w, loss_tokens, strict=True))
     if total_tokens <= 0 or mass <= 0.0:

@@ -83,9 +83,9 @@ class Pool:
     """
 
     def __init__(self, *, delta: int, sampler: Sampler, accounts: Accounting, adv_eps: float = 1e-6,
-                 adv_std_norm: bool = True):
+                 adv_std_norm: bool = True, adv_estimator: str = "group_norm"):
         self.delta = delta
-        self.adv_eps, self.adv_std_norm = adv_eps, adv_std_norm
+        self.adv_eps, self.adv_std_norm, self.adv_estimator = adv_eps, adv_std_norm, adv_estimator
         self.sampler, self.accounts = sampler, accounts
         self._ended = accounts.ended    # the accounting's own counters, bumped at every end
         self.samples: dict[int, SampleRecord] = {}
@@ -315,7 +315,8 @@ class Pool:
         if not members:
             return
         members.sort(key=_by_finish_seq)
-        advantages = group_advantages([m.reward for m in members], eps=self.adv_eps, std_norm=self.adv_std_norm)
+        advantages = group_advantages([m.reward for m in members], eps=self.adv_eps, std_norm=self.adv_std_norm,
+                                      estimator=self.adv_estimator)
         queues = self.ready_by_version
         for rec, adv in zip(members, advantages):
             rec.advantage = adv

@@ -1,25 +1,30 @@
-"""One trainer replica: GRPO steps on τ-weighted samples, data parallel over ``n_T`` replicas of ``s_T``
+"""One trainer replica: policy-gradient steps (the objective of ``algorithm.name``) on τ-weighted samples,
+data parallel over ``n_T`` replicas of ``s_T``
 workers each. It reads as model + optimizer + step + state; the parts around it are their own
 modules: how the replica lies over its ``s_T`` workers, FSDP2-sharded or whole
 (:mod:`reflow_hpc.train.parallel`), the replica group across replicas and a joining replica's state
 transfer (:mod:`reflow_hpc.train.replicas`), colocated mode's offload (:mod:`reflow_hpc.train.offload`),
 the loss (:mod:`reflow_hpc.train.loss`) and the schedule (:mod:`reflow_hpc.train.optim`).
 
-- **A step.** ``train_step(items, batch_loss_tokens)`` gets this trainer rank's share of the batch
-  (each item: trajectory, advantage, normalised weight, replay flag) and ``N_batch``, the loss tokens
-  of the whole batch over all ``n_T·s_T`` trainer ranks. Samples are sorted by length (less padding)
+- **A step.** ``train_step(items, batch_loss_tokens, batch_samples)`` gets this trainer rank's share of
+  the batch (each item: trajectory, advantage, normalised weight, replay flag), ``N_batch``, the loss
+  tokens of the whole batch over all ``n_T·s_T`` trainer ranks, and ``B``, its samples (by default
+  ``trainer.batch_size``: every composed batch holds that many; read by the seq_mean aggregations).
+  Samples are sorted by length (less padding)
   and run in micro-batches of ``trainer.micro_batch_size``: right padding, an attention mask,
   position ids ``0..L-1``; log-probs are recomputed as ``log_softmax(logits / rollout.temperature)``,
   as the rollout engine recorded them. Gradients accumulate over micro-batches; every micro-batch
-  loss is already divided by ``N_batch``, so the gradients are *summed* over the replicas (and, in a
+  loss is already divided by the whole batch's normaliser (``N_batch``, ``B`` or ``B·L``,
+  :mod:`reflow_hpc.train.loss`), so the gradients are *summed* over the replicas (and, in a
   sharded replica, over its members): the result is one replica's gradient on the full batch.
 - **Update.** Clip the whole model's gradient norm to ``trainer.grad_clip`` (0 = report only), AdamW
   step, schedule step. A non-finite gradient norm skips the update on every replica alike (metric
   ``nonfinite_grad``) instead of poisoning the weights. Every ``trainer.check_replicas_every``
   steps the replicas compare their parameters and optimizer state.
 - **Checks.** A sample whose first token is marked generated (nothing predicts it), a token outside
-  the vocabulary, a non-finite advantage or weight, or an ``N_batch`` that differs from the loss
-  tokens the trainer ranks actually hold fails with one line naming the sample or the numbers.
+  the vocabulary, a non-finite advantage or weight, or an ``N_batch`` (or, when the aggregation
+  reads it, a ``B``) that differs from what the trainer ranks actually hold fails with one line naming
+  the sample or the numbers.
 - **State.** :meth:`named_weights` (the weight sync), :meth:`full_model` and :meth:`state_dict`
   (checkpoints, snapshots) give full tensors in the format of an unsharded replica — for a sharded
   one a collective over its shard group whose first member keeps the result (the others get None);
@@ -46,7 +51,7 @@ import torch.distributed as dist
 
 from ..comm.dist import guarded
 from ..trajectory import Trajectory
-from .loss import SUM_KEYS, empty_stats, loss_metrics, policy_loss, token_logprobs
+from .loss import SUM_KEYS, LossSettings, empty_stats, loss_metrics, policy_loss, token_logprobs
 from .offload import Offload
 from .optim import adam_state, build_optimizer, build_scheduler
 from .parallel import parallelize
@@ -125,6 +130,7 @@ class Trainer:
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
         self.vocab_size = int(model.config.vocab_size)
         alg, tc = cfg.algorithm, cfg.trainer
+        self.loss_settings = LossSettings.from_config(cfg)
         if alg.kl_coef > 0 and ref_model is None:
             raise ValueError(f"algorithm.kl_coef = {alg.kl_coef}: a reference model is needed (pass ref_model)")
         self.ref_model = None
@@ -149,8 +155,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
 
-    def train_step(self, items: Sequence[WeightedSample], batch_loss_tokens: int) -> dict[str, float]:
+    def train_step(self, items: Sequence[WeightedSample], batch_loss_tokens: int,
+                   batch_samples: int | None = None) -> dict[str, float]:
         """One optimizer update on this replica's ``items``; collective over the replica and shard groups."""
+        if batch_samples is None:
+            batch_samples = int(self.cfg.trainer.batch_size)
         if self._offload.active:
             raise RuntimeError(f"rank {self.rank}: train_step on an offloaded trainer: call onload() first")
         t0 = time.perf_counter()
@@ -170,7 +179,7 @@ class Trainer:
                     continue
                 chunk = chunks[i]
                 mb = collate(chunk, self.pad_id, self.device)
-                loss, s, m = self._micro_step(mb, batch_loss_tokens)
+                loss, s, m = self._micro_step(mb, batch_loss_tokens, batch_samples)
                 loss.backward()
                 sums += s
                 maxima = torch.maximum(maxima, m)
@@ -189,6 +198,12 @@ class Trainer:
             raise ValueError(f"rank {self.rank}: batch_loss_tokens = {batch_loss_tokens}, but the samples of the "
                              f"batch carry {held} loss tokens over all {self.replicas.size * self.parallel.shards} "
                              f"trainer ranks")
+        held_samples = int(round(float(sums[SUM_KEYS.index("samples")])))
+        if self.loss_settings.needs_samples and held_samples != int(batch_samples):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise ValueError(f"rank {self.rank}: batch_samples = {batch_samples}, but the batch holds {held_samples} "
+                             f"samples over all {self.replicas.size * self.parallel.shards} trainer ranks "
+                             f"(algorithm.loss_agg = {self.loss_settings.loss_agg} divides by it)")
         t2 = self._now()
 
         grad_norm = self.parallel.clip_grad_norm([p for _, p in self._params], tc.grad_clip, self.step + 1)
@@ -223,10 +238,12 @@ class Trainer:
         logits = self.model(input_ids=ids, use_cache=False).logits
         (logits.sum() * 0.0).backward()
 
-    def _micro_step(self, mb: MicroBatch, batch_loss_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _micro_step(self, mb: MicroBatch, batch_loss_tokens: int, batch_samples: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                             position_ids=mb.position_ids, use_cache=False).logits
-        logp, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], self.temperature)
+        logp, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], self.temperature,
+                                       entropy_grad=self.loss_settings.entropy_coef > 0)
         del logits
         ref_logp = None
         if self.ref_model is not None:
@@ -235,10 +252,9 @@ class Trainer:
                                             position_ids=mb.position_ids, use_cache=False).logits
                 ref_logp, _ = token_logprobs(ref_logits[:, :-1], mb.input_ids[:, 1:], self.temperature)
                 del ref_logits
-        alg = self.cfg.algorithm
         return policy_loss(logp, mb.behaviour_logp, mb.loss_mask, mb.advantages, mb.weights,
-                           clip_low=alg.clip_low, clip_high=alg.clip_high, batch_loss_tokens=batch_loss_tokens,
-                           ref_logp=ref_logp, kl_coef=alg.kl_coef, entropy=entropy)
+                           batch_loss_tokens=batch_loss_tokens, batch_samples=batch_samples, ref_logp=ref_logp,
+                           entropy=entropy, settings=self.loss_settings)
 
     def _check_items(self, items: Sequence[WeightedSample], batch_loss_tokens: int) -> None:
         if batch_loss_tokens < 0:

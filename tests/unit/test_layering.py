@@ -25,7 +25,7 @@ ALLOWED = {
     "envs": {"config", "core", "plugins"},
     "storage": {"comm", "config", "trajectory"},
     "rollout": {"config", "envs", "trajectory"},
-    "train": {"comm", "config", "trajectory", "policy"},
+    "train": {"comm", "config", "plugins", "trajectory", "policy"},
     "policy": {"config", "envs"},
     "metrics": {"core"},
     "evaluation": {"config", "envs", "rollout", "policy", "train", "metrics"},

@@ -1,0 +1,37 @@
+"""CISPO (MiniMax-M1, 2025: Scaling Test-Time Compute Efficiently with Lightning Attention).
+
+Clips the importance weight instead of the update: the weight is clipped and its gradient stopped,
+so every token — also one whose ratio left the trust region — keeps the gradient of its log-prob:
+
+    ρ_t = π(y_t) / π_old(y_t)
+    ℓ_t = -sg(min(ρ_t, ε_max)) · A_i · log π(y_t)       (ε_max = algorithm.cispo_clip_high, 5 as in
+                                                          ScaleRL, Khatri et al. 2025)
+    L   = Σ_i Σ_t ℓ_it / Σ_i |y_i|                        (token_mean)
+
+The paper leaves the lower bound open (no lower clip), as TRL's ``loss_type = "cispo"`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import Objective, PgTerms, token_ratio
+
+
+class CISPO(Objective):
+    advantage = "group_norm"
+    loss_agg = "token_mean"
+
+    def __init__(self, alg: Any):
+        super().__init__(alg)
+        self.clip_high = float(alg.cispo_clip_high)
+
+    def per_token_loss(self, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                       adv: torch.Tensor) -> PgTerms:
+        ratio = token_ratio(logp, old_logp, mask)
+        weight = torch.clamp(ratio, max=self.clip_high).detach()
+        # log π of a padding position may be anything; it is masked out, but must not make NaNs
+        pg = -weight * adv * torch.where(mask, logp, torch.zeros_like(logp))
+        return PgTerms(pg, ratio, ratio > self.clip_high)
