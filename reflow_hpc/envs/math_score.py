@@ -194,7 +194,7 @@ class EquivalenceProcess:
                     pass
 
     def _read_line(self, deadline: float) -> dict | None:
-        """The next JSON line of the process, or None at the deadline or when it ended."""
+        """The next JSON line of the process, or None at the deadline; EOFError when it ended."""
         assert self._proc is not None and self._proc.stdout is not None
         fd = self._proc.stdout.fileno()
         while b"\n" not in self._buf:
@@ -203,7 +203,7 @@ class EquivalenceProcess:
                 return None
             chunk = os.read(fd, 65536)
             if not chunk:
-                return None
+                raise EOFError
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
@@ -211,11 +211,14 @@ class EquivalenceProcess:
     def _ready(self) -> None:
         """Start the process if there is none and wait for its ready line."""
         if self._proc is None or self._owner != os.getpid() or self._proc.poll() is not None:
-            self._proc = None
+            self._kill()   # reaps a dead one; a copy inherited across a fork is left to its owner
             self._spawn()
         if self.info:
             return
-        msg = self._read_line(time.monotonic() + self.start_timeout_s)
+        try:
+            msg = self._read_line(time.monotonic() + self.start_timeout_s)
+        except EOFError:
+            msg = {"error": "it exited at start"}
         if msg is None or "error" in msg:
             self._kill()
             why = msg["error"] if msg else f"no ready line within {self.start_timeout_s:g} s"
@@ -239,7 +242,13 @@ class EquivalenceProcess:
                 except (BrokenPipeError, OSError):
                     self._kill()
                     continue
-                msg = self._read_line(time.monotonic() + self.timeout_s)
+                try:
+                    msg = self._read_line(time.monotonic() + self.timeout_s)
+                except EOFError:   # it had died before the call, or the input crashed it: one more try
+                    self._kill()
+                    if attempt == 0:
+                        continue
+                    msg = None
                 if msg is None or msg.get("exit"):
                     # past the deadline, out of memory or dead: a fresh process starts loading now
                     self.restarts += 1

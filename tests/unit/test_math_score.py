@@ -107,6 +107,14 @@ def test_the_equivalence_process_is_a_fresh_interpreter():
     assert argv[1] == b"-P" and argv[2].endswith(b"math_equiv_worker.py")
 
 
+def test_a_process_that_died_between_calls_is_replaced():
+    import signal
+    info = equivalence_process().start()
+    os.kill(info["pid"], signal.SIGKILL)
+    assert math_reward(r"\boxed{2^{11}}", "2048") == 1.0
+    assert equivalence_process().start()["pid"] != info["pid"]
+
+
 def test_concurrent_calls_from_many_threads():
     cases = [(r"\boxed{2^{10}}", "1024", 1.0), ("Answer: 34", "34", 1.0), ("Answer: 3", "4", 0.0),
              (r"\boxed{\frac{1}{\sqrt2}}", r"\frac{\sqrt2}{2}", 1.0)] * 4
