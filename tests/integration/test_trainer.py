@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 METRICS = {"loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio/mean", "ratio/max", "approx_kl",
            "advantages/mean", "weights/mean", "samples", "replay_samples", "tokens", "loss_tokens", "lr",
            "grad_norm", "nonfinite_grad", "step", "seconds", "forward_backward_seconds", "allreduce_seconds",
-           "optimizer_seconds"}
+           "optimizer_seconds", "rollout_is/mean", "rollout_is/max", "rollout_is/capped_fraction"}
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 5e-5)])
@@ -43,6 +43,27 @@ def test_micro_batch_size_does_not_change_the_update(dtype, tol):
         for key in ("loss", "grad_norm", "clip_fraction", "ratio/mean", "entropy"):
             assert metrics[-1][key] == pytest.approx(finals[0][1][-1][key], rel=1e-4, abs=1e-7), key
     assert max_param_diff(finals[0][0], base) > 1e-5     # the steps did move the weights
+
+
+@pytest.mark.parametrize("name, agg", [("dr_grpo", "auto"), ("gspo", "auto"), ("cispo", "auto"),
+                                       ("rloo", "seq_mean_token_mean"), ("dapo", "seq_mean_token_sum")])
+def test_every_objective_and_aggregation_is_independent_of_the_micro_batch_size(name, agg):
+    cfg = make_config()
+    cfg.algorithm.name, cfg.algorithm.loss_agg, cfg.algorithm.is_cap = name, agg, 2.0
+    base = tiny_model(0).to(torch.float64)
+    items = make_batch(base, cfg, seed=3)
+    n = loss_tokens(items)
+    models = []
+    for mbs in (1, 8):
+        cfg.trainer.micro_batch_size = mbs
+        model = copy.deepcopy(base)
+        Trainer(model, cfg, "cpu").train_step(items, n, len(items))
+        models.append(model)
+    assert max_param_diff(models[0], models[1]) < 1e-12
+    assert max_param_diff(models[0], base) > 1e-5
+    cfg.algorithm.loss_agg = "seq_mean_token_mean"
+    with pytest.raises(ValueError, match="batch_samples = 9, but the batch holds 8 samples"):
+        Trainer(copy.deepcopy(base), cfg, "cpu").train_step(items, n, 9)
 
 
 def test_metrics_names_counts_and_lr():
