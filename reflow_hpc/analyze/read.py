@@ -26,8 +26,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from reflow_hpc.storage import jsonl, schema
-from reflow_hpc.storage.manifest import SegmentEntry
-from reflow_hpc.storage.reader import BUDGET_MIB, load_manifest, open_segment, scan_segment
+from reflow_hpc.storage.manifest import SegmentEntry, read_manifest
+from reflow_hpc.storage.reader import BUDGET_MIB, open_segment, scan_segment
 from reflow_hpc.storage.schema import StorageError, parse_segment_name
 
 _DECODER = json.JSONDecoder()
@@ -221,7 +221,7 @@ class ShardWalk:
     def _rank(self, d: Path) -> Iterator[SegmentRows]:
         entries: dict[str, SegmentEntry] = {}
         try:
-            manifest = load_manifest(d)
+            manifest = read_manifest(d)
             entries = {s.file: s for s in manifest.segments} if manifest else {}
         except StorageError as e:
             self.bad.append(Unreadable(self._rel(d / schema.MANIFEST), str(e).split(": ", 1)[-1]))

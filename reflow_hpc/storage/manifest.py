@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reflow_hpc.private import write_atomic
+from reflow_hpc.storage import jsonl
 from reflow_hpc.storage.schema import FORMAT, FORMAT_VERSION, MANIFEST, StorageError
 
 
@@ -51,16 +52,27 @@ class Manifest:
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest | None:
-    """The manifest of `directory`, or None when there is none yet."""
+    """The manifest of ``directory``, or None when there is none; read bounded (at most 64 MiB and
+    64 levels deep, a regular file) and checked field by field, so that a damaged or planted one
+    raises StorageError naming the file, never anything else."""
     path = Path(directory) / MANIFEST
     try:
-        data = json.loads(path.read_text())
-        return Manifest(owner=int(data["owner"]),
-                        segments=[SegmentEntry(**s) for s in data["segments"]])
+        data = jsonl.load_file(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise StorageError(f"{path}: unreadable manifest ({e.__class__.__name__}: {e})") from None
+    try:
+        segments = [SegmentEntry(**s) for s in data["segments"]]
+        manifest = Manifest(owner=int(data["owner"]), segments=segments)
+        for s in segments:
+            ints = [s.index, s.rows, s.tokens, s.bytes, s.batches, s.lost_rows, *s.sample_ids]
+            if not (isinstance(s.file, str) and isinstance(s.state, str) and isinstance(s.sample_ids, list)
+                    and all(type(i) is int for i in ints) and s.rows >= 0):
+                raise ValueError(f"segment entry {str(s.file)[:80]!r} has fields of the wrong type")
+    except (KeyError, TypeError, ValueError) as e:
+        raise StorageError(f"{path}: unreadable manifest ({e.__class__.__name__}: {e})") from None
+    return manifest
 
 
 def write_manifest(directory: str | os.PathLike, manifest: Manifest, *, fsync: bool = False) -> None:

@@ -35,8 +35,8 @@ import numpy as np
 
 from reflow_hpc.config import StorageConfig
 from reflow_hpc.storage import jsonl, schema
-from reflow_hpc.storage.manifest import Manifest, SegmentEntry
-from reflow_hpc.storage.schema import (BATCH_DTYPE, MANIFEST, ROW_DTYPE, Location, StorageError, hash_rows, hash_tokens,
+from reflow_hpc.storage.manifest import Manifest, SegmentEntry, read_manifest
+from reflow_hpc.storage.schema import (BATCH_DTYPE, ROW_DTYPE, Location, StorageError, hash_rows, hash_tokens,
                                        parse_segment_name, trajectory_from_row)
 from reflow_hpc.trajectory import Trajectory
 
@@ -184,30 +184,6 @@ def open_segment(path: str | os.PathLike) -> tuple[h5py.File, bool]:
         except Exception:
             view.close()
             raise
-
-
-def load_manifest(directory: str | os.PathLike) -> Manifest | None:
-    """The manifest of ``directory``, or None when there is none; read bounded (at most 64 MiB and
-    64 levels deep, a regular file) and checked field by field, so that a damaged or planted one
-    raises StorageError naming the file, never anything else."""
-    path = Path(directory) / MANIFEST
-    try:
-        data = jsonl.load_file(path)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise StorageError(f"{path}: unreadable manifest ({e.__class__.__name__}: {e})") from None
-    try:
-        segments = [SegmentEntry(**s) for s in data["segments"]]
-        manifest = Manifest(owner=int(data["owner"]), segments=segments)
-        for s in segments:
-            ints = [s.index, s.rows, s.tokens, s.bytes, s.batches, s.lost_rows, *s.sample_ids]
-            if not (isinstance(s.file, str) and isinstance(s.state, str) and isinstance(s.sample_ids, list)
-                    and all(type(i) is int for i in ints) and s.rows >= 0):
-                raise ValueError(f"segment entry {str(s.file)[:80]!r} has fields of the wrong type")
-    except (KeyError, TypeError, ValueError) as e:
-        raise StorageError(f"{path}: unreadable manifest ({e.__class__.__name__}: {e})") from None
-    return manifest
 
 
 # --------------------------------------------------------------------------------------- verifying
@@ -415,7 +391,7 @@ def scan_directory(directory: str | os.PathLike, *, verify: bool = True, budget_
         raise StorageError(f"{directory}: no such shard directory")
     report = ScanReport(directory=str(directory))
     try:
-        report.manifest = load_manifest(directory)
+        report.manifest = read_manifest(directory)
     except StorageError as e:
         report.manifest_error = str(e)
     entries = {s.file: s for s in report.manifest.segments} if report.manifest else {}

@@ -111,7 +111,8 @@ class SampleStore:
             for seg, ks in from_disk.items():
                 locs = [self.writer.location(ids[k]) or self._restored[ids[k]] for k in ks]
                 try:
-                    got = read_rows(self._segment_file(seg), locs, [ids[k] for k in ks])
+                    got = read_rows(self._segment_file(seg), locs, [ids[k] for k in ks],
+                                    budget_mib=self.cfg.read_budget_mib)
                 except StorageError:
                     raise
                 except Exception as e:
@@ -205,7 +206,7 @@ class SampleStore:
     def _restore(self, verify: bool) -> tuple[Manifest, int]:
         for p in self.directory.glob("*" + NEW_SUFFIX):   # segments whose creation a crash interrupted
             p.unlink()
-        report = scan_directory(self.directory, verify=verify)
+        report = scan_directory(self.directory, verify=verify, budget_mib=self.cfg.read_budget_mib)
         if report.manifest_error is not None:
             raise StorageError(f"rank {self.owner}: {report.manifest_error}")
         manifest = report.manifest or Manifest(owner=self.owner)
