@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reflow_hpc.private import UnsafePathError, write_atomic
+from reflow_hpc.private import UnsafePathError, private_dir, write_atomic
 from reflow_hpc.storage.reader import BUDGET_MIB
 
 from .report import collect, result, text
@@ -79,7 +79,7 @@ def analyze_run(run_dir: str | Path, out_dir: str | Path | None = None, *, what_
     res["peak_rss_mib"] = round(_peak_rss_mib(), 1)
     res = _finite(res)
     summary = text(res, rows=table_rows)
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out, what="analysis directory")
     write_atomic(out / "summary.txt", summary + "\n")
     write_atomic(out / "analysis.json", json.dumps(res, indent=1) + "\n")
     return res, summary

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from reflow_hpc.private import write_atomic
+from reflow_hpc.private import private_dir, write_atomic
 
 from .report import Sources, rank_idle
 from .stats import ROLES
@@ -30,7 +30,7 @@ def write_all(src: Sources, res: dict[str, Any], out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(out_dir, what="plot directory")
     written = []
     makers: list[tuple[str, Callable]] = [
         ("terminal_reasons.png", _reasons), ("staleness.png", _staleness), ("replay_count.png", _replay_count),

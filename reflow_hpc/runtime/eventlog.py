@@ -28,6 +28,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
+from ..private import open_append, open_new
+
 # Most events that may wait in memory for the writer before put() blocks. A finish event's dict is
 # ~0.5 KB (measured), so the bound is ~64 MB of rank 0's memory. The writer takes everything queued
 # every flush_s, so only a file system that stalls for many seconds ever reaches it.
@@ -107,7 +109,11 @@ class EventWriter(threading.Thread):
         super().__init__(name="event-log", daemon=True)
         self.path = path
         self.cut = _drop_partial_line(path) if append else 0
-        self._file = path.open("a" if append else "w")
+        if append:
+            self._file = open_append(path)
+        else:               # a fresh log: an old one goes (unlink never follows a symlink), then O_EXCL
+            path.unlink(missing_ok=True)
+            self._file = open_new(path)
         self._queue: deque[list[dict]] = deque()
         self._wake = threading.Event()
         self._progress = threading.Event()  # set by the writer after each round and when it stops

@@ -32,10 +32,6 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     # place (a temp-and-rename cannot work there) under a root-owned controller that holds no symlinks.
     ("runtime/cpuquota.py", "write_text"): (3, "cgroupfs control files"),
     ("runtime/cpuquota.py", "mkdir exist_ok"): (1, "the rank's cgroup under the root-owned controller"),
-    # Not migrated yet by their owners (remove each entry with its migration):
-    ("runtime/eventlog.py", "open for writing"): (1, "events.jsonl opened by path; to private.open_append/open_new"),
-    ("analyze/cli.py", "mkdir exist_ok"): (1, "the analysis output directory; to private.private_dir"),
-    ("analyze/plots.py", "mkdir exist_ok"): (1, "the plot directory; to private.private_dir"),
 }
 
 
