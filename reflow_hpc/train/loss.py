@@ -32,7 +32,8 @@ Rules (DESIGN §2, §7):
 
 Metrics (names are API): ``loss``, ``pg_loss`` (the policy-gradient part of ``loss``), ``kl`` (mean
 KL estimate to the reference per loss token; 0 without one), ``entropy`` (mean policy entropy per
-loss token), ``clip_fraction`` (loss tokens whose clip is binding, i.e. get no gradient),
+loss token), ``clip_fraction`` (loss tokens whose clip is binding, i.e. get no gradient; cispo: whose
+weight is capped, they keep their gradient),
 ``ratio/mean``, ``ratio/max`` (the objective's ratio: per token, or per sample for gspo),
 ``approx_kl`` (mean k3 estimate of KL(behaviour ‖ current) per loss token), ``advantages/mean`` and
 ``weights/mean`` (per sample), ``rollout_is/mean``, ``rollout_is/max`` (π_prox/π_behav per loss token
