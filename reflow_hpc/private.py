@@ -26,7 +26,7 @@ import secrets
 import stat
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # Group or others may write: the directory's entries could be swapped under us.
@@ -100,19 +100,13 @@ def _temp_beside(path: Path, perms: int) -> tuple[Path, int]:
     raise UnsafePathError(f"{path}: could not create a temp file beside it (every name taken)")
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes, *, mode: int = 0o600, fsync: bool = False) -> None:
-    """Replace ``path`` by ``data`` (str is written as UTF-8): a reader sees the old file or the new one.
-
-    A symlink at ``path`` is replaced by the file, never followed. With ``fsync`` the file and its
-    directory are synced, so the rename survives a crash of the node."""
-    path = Path(path)
-    raw = data.encode() if isinstance(data, str) else bytes(data)
-    tmp, fd = _temp_beside(path, mode)
+def _replace(path: Path, perms: int, write: Callable[[int], None]) -> None:
+    """Write a temp file beside ``path`` through ``write(fd)`` and rename it onto ``path``; on any failure
+    the temp file goes and ``path`` is as it was."""
+    tmp, fd = _temp_beside(path, perms)
     try:
         try:
-            _write_all(fd, raw)
-            if fsync:
-                os.fsync(fd)
+            write(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -122,6 +116,22 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, mode: int = 0o60
         except FileNotFoundError:
             pass
         raise
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes, *, mode: int = 0o600, fsync: bool = False) -> None:
+    """Replace ``path`` by ``data`` (str is written as UTF-8): a reader sees the old file or the new one.
+
+    A symlink at ``path`` is replaced by the file, never followed. With ``fsync`` the file and its
+    directory are synced, so the rename survives a crash of the node."""
+    path = Path(path)
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+
+    def write(fd: int) -> None:
+        _write_all(fd, raw)
+        if fsync:
+            os.fsync(fd)
+
+    _replace(path, mode, write)
     if fsync:
         fsync_dir(path.parent)
 
@@ -229,21 +239,13 @@ def _copy_file(src: Path, dst: Path) -> None:
         st = os.fstat(fin)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"copy source {src}: not a regular file")
-        tmp, fout = _temp_beside(dst, 0o600)
-        try:
-            try:
-                while chunk := os.read(fin, 1 << 20):
-                    _write_all(fout, chunk)
-                os.utime(fout, ns=(st.st_atime_ns, st.st_mtime_ns))
-            finally:
-                os.close(fout)
-            os.replace(tmp, dst)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+
+        def copy(fout: int) -> None:
+            while chunk := os.read(fin, 1 << 20):
+                _write_all(fout, chunk)
+            os.utime(fout, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+        _replace(dst, 0o600, copy)
     finally:
         os.close(fin)
 
