@@ -31,17 +31,23 @@ import importlib
 from typing import Callable
 
 _TASKS: dict[str, type] = {}
+_OBJECTIVES: dict[str, type] = {}
+
+
+def _registrar(table: dict[str, type], kind: str, name: str) -> Callable[[type], type]:
+    """The class decorator that registers a class in ``table`` as ``name`` (twice under one name is an error)."""
+    def deco(cls: type) -> type:
+        if name in table and table[name] is not cls:
+            raise ValueError(f"{kind} {name!r} is registered twice ({table[name].__name__}, {cls.__name__})")
+        cls.name = name
+        table[name] = cls
+        return cls
+    return deco
 
 
 def register_task(name: str) -> Callable[[type], type]:
     """Class decorator: make a Task subclass available as ``task.name = name``."""
-    def deco(cls: type) -> type:
-        if name in _TASKS and _TASKS[name] is not cls:
-            raise ValueError(f"task {name!r} is registered twice ({_TASKS[name].__name__}, {cls.__name__})")
-        cls.name = name
-        _TASKS[name] = cls
-        return cls
-    return deco
+    return _registrar(_TASKS, "task", name)
 
 
 def task_class(name: str) -> type | None:
@@ -54,19 +60,9 @@ def task_names() -> list[str]:
     return sorted(_TASKS)
 
 
-_OBJECTIVES: dict[str, type] = {}
-
-
 def register_objective(name: str) -> Callable[[type], type]:
     """Class decorator: make an Objective subclass available as ``algorithm.name = name``."""
-    def deco(cls: type) -> type:
-        if name in _OBJECTIVES and _OBJECTIVES[name] is not cls:
-            raise ValueError(f"objective {name!r} is registered twice ({_OBJECTIVES[name].__name__}, "
-                             f"{cls.__name__})")
-        cls.name = name
-        _OBJECTIVES[name] = cls
-        return cls
-    return deco
+    return _registrar(_OBJECTIVES, "objective", name)
 
 
 def objective_class(name: str) -> type | None:
