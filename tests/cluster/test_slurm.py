@@ -129,6 +129,14 @@ def _job_field(job_id: str, key: str) -> str:
     return m.group(1) if m else ""
 
 
+def _wait_running(job_id: str, run_dir: Path, logs: Path, slurm_conf: str, steps: int = 3) -> None:
+    """Wait until the job's run has taken ``steps`` steps; else fail with the job's report (logs in ``logs``)."""
+    try:
+        _wait_steps(run_dir, steps)
+    except AssertionError:
+        raise AssertionError(_job_report(job_id, logs, slurm_conf)) from None
+
+
 def _wait_steps(run_dir: Path, steps: int, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -195,10 +203,7 @@ def test_usr2_on_slurm_checkpoints_requeues_resumes_and_loses_nothing(slurm_conf
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().split(";")[0]
     run_dir = tmp_path / name
-    try:
-        _wait_steps(run_dir, 3)
-    except AssertionError:
-        raise AssertionError(_job_report(job_id, tmp_path, slurm_conf)) from None
+    _wait_running(job_id, run_dir, tmp_path, slurm_conf)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     state = _wait_requeued_and_done(job_id)
     log = (tmp_path / f"{job_id}.out").read_text()
@@ -227,10 +232,7 @@ def test_kill_9_of_a_rank_under_slurm_is_named_in_one_line(slurm_conf, tmp_path,
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().split(";")[0]
     run_dir = tmp_path / name
-    try:
-        _wait_steps(run_dir, 3)
-    except AssertionError:
-        raise AssertionError(_job_report(job_id, tmp_path, slurm_conf)) from None
+    _wait_running(job_id, run_dir, tmp_path, slurm_conf)
     pid = json.loads((run_dir / "topology.json").read_text())["ranks"][2]["pid"]
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -258,10 +260,7 @@ def test_usr2_through_submitit_requeues_and_resumes(slurm_conf, tmp_path, policy
     assert r.returncode == 0 and m, r.stdout + r.stderr
     job_id = m.group(1)
     run_dir = tmp_path / name
-    try:
-        _wait_steps(run_dir, 3)
-    except AssertionError:
-        raise AssertionError(_job_report(job_id, tmp_path / "logs", slurm_conf)) from None
+    _wait_running(job_id, run_dir, tmp_path / "logs", slurm_conf)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     state = _wait_requeued_and_done(job_id)
     assert state == "COMPLETED", _job_report(job_id, tmp_path / "logs", slurm_conf)
@@ -327,10 +326,7 @@ def test_usr2_past_max_requeues_checkpoints_and_ends_without_requeueing(slurm_co
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().split(";")[0]
     run_dir = tmp_path / name
-    try:
-        _wait_steps(run_dir, 3)
-    except AssertionError:
-        raise AssertionError(_job_report(job_id, tmp_path, slurm_conf)) from None
+    _wait_running(job_id, run_dir, tmp_path, slurm_conf)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     state = _wait_job(job_id)
     log = (tmp_path / f"{job_id}.out").read_text()

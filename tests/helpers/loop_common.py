@@ -4,27 +4,31 @@ and the check that every token carries the version of the weights that made it."
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from pathlib import Path
 
 import numpy as np
 
-from conftest import ROOT, leftover_processes, python_m
+from conftest import ROOT, leftover_processes, run_cmd
 from reflow_hpc.metrics import read_jsonl
 
 CFG = str(ROOT / "configs" / "cpu_tiny.toml")
 TERMINAL = ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost")
 
 
+def run_argv(tmp_path: Path, policy: str, name: str, *sets: str, timeout_s: float = 90) -> list[str]:
+    """The command of one run of the main job's config on 4 ranks, short and small, writing under ``tmp_path``
+    (``sets`` after the common ones, so they win)."""
+    common = [f"run.output_dir={tmp_path}", f"run.name={name}", f"model.path={policy}", "model.warmstart=false",
+              f"run.timeout_s={timeout_s}", f"storage.dir={tmp_path / 'scratch'}", "trainer.micro_batch_size=8"]
+    return [sys.executable, "-m", "reflow_hpc.run", CFG, *[x for s in (*common, *sets) for x in ("--set", s)]]
+
+
 def run(tmp_path: Path, policy: str, *sets: str, name: str | None = None, timeout: float = 420):
-    """One run of the main job's config on 4 ranks, short and small; (run dir, step metrics, summary, process)."""
+    """One run (run_argv, 16 evaluation prompts) to its end; (run dir, step metrics, summary, process)."""
     name = name or f"loop{uuid.uuid4().hex[:8]}"
-    args = ["--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}", "--set", f"model.path={policy}",
-            "--set", "model.warmstart=false", "--set", "run.eval_prompts=16", "--set", "run.timeout_s=90",
-            "--set", f"storage.dir={tmp_path / 'scratch'}", "--set", "trainer.micro_batch_size=8"]
-    for s in sets:
-        args += ["--set", s]
-    r = python_m("reflow_hpc.run", CFG, *args, timeout=timeout)
+    r = run_cmd(run_argv(tmp_path, policy, name, "run.eval_prompts=16", *sets), timeout=timeout)
     run_dir = tmp_path / name
     assert r.returncode == 0, f"run failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert leftover_processes(name) == []

@@ -19,14 +19,13 @@ import json
 import os
 import resource
 import subprocess
-import sys
 import time
 import uuid
 
 import pytest
 
 from conftest import ROOT, leftover_processes
-from loop_common import CFG, run, terminal
+from loop_common import run, run_argv, terminal
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -36,11 +35,7 @@ def test_event_log_write_failure_ends_the_job_with_one_line_and_a_rerun_loses_no
     timeout_s = 90
     sets = ["reflow.mode=reflow", "trainer.batch_size=16", "algorithm.group_size=4", "storage.flush_rows=1",
             "trainer.steps=12", "checkpoint.every_steps=3", "scheduler.elastic=false", "run.eval_prompts=0"]
-    args = [sys.executable, "-m", "reflow_hpc.run", CFG]
-    for s_ in [f"run.output_dir={tmp_path}", f"run.name={name}", f"model.path={policy_dir}", "model.warmstart=false",
-               f"run.timeout_s={timeout_s}", f"storage.dir={tmp_path / 'scratch'}", "trainer.micro_batch_size=8",
-               *sets]:
-        args += ["--set", s_]
+    args = run_argv(tmp_path, policy_dir, name, *sets, timeout_s=timeout_s)
     run_dir = tmp_path / name
     log = run_dir / "events.jsonl"
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

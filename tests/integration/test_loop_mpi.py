@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from conftest import ROOT, leftover_processes
-from loop_common import CFG, check_logprobs_by_version, run, shard_samples, terminal
+from loop_common import check_logprobs_by_version, run, run_argv, shard_samples, terminal
 from reflow_hpc.metrics import read_jsonl
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -102,18 +102,13 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_anything(tmp_path
     import os
     import signal
     import subprocess
-    import sys
     import time
 
     name = f"resume{uuid.uuid4().hex[:6]}"
     # A dispatch window far beyond a step's need: rollout workers are busy when the stop comes.
     sets = ["reflow.mode=reflow", "trainer.batch_size=16", "algorithm.group_size=4", "storage.flush_rows=1",
             "trainer.steps=8", "reflow.delta=2", "reflow.b_max=128", "scheduler.elastic=false"]
-    args = [sys.executable, "-m", "reflow_hpc.run", CFG]
-    for s_ in [f"run.output_dir={tmp_path}", f"run.name={name}", f"model.path={policy_dir}", "model.warmstart=false",
-               "run.eval_prompts=0", "run.timeout_s=90", f"storage.dir={tmp_path / 'scratch'}",
-               "trainer.micro_batch_size=8", *sets]:
-        args += ["--set", s_]
+    args = run_argv(tmp_path, policy_dir, name, "run.eval_prompts=0", *sets)
     run_dir = tmp_path / name
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -169,18 +164,13 @@ def test_kill_9_of_a_rank_mid_training_ends_the_job_naming_it_and_a_rerun_resume
     import random
     import signal
     import subprocess
-    import sys
     import time
 
     name = f"kill{uuid.uuid4().hex[:6]}"
     timeout_s = 90
     sets = ["reflow.mode=reflow", "trainer.batch_size=16", "algorithm.group_size=4", "storage.flush_rows=1",
             "trainer.steps=14", "checkpoint.every_steps=4", "scheduler.elastic=false", "run.eval_prompts=0"]
-    args = [sys.executable, "-m", "reflow_hpc.run", CFG]
-    for s_ in [f"run.output_dir={tmp_path}", f"run.name={name}", f"model.path={policy_dir}", "model.warmstart=false",
-               f"run.timeout_s={timeout_s}", f"storage.dir={tmp_path / 'scratch'}", "trainer.micro_batch_size=8",
-               *sets]:
-        args += ["--set", s_]
+    args = run_argv(tmp_path, policy_dir, name, *sets, timeout_s=timeout_s)
     run_dir = tmp_path / name
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
