@@ -23,6 +23,7 @@ Add one in a ``run.plugins`` module::
 
 from __future__ import annotations
 
+import abc
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -34,7 +35,7 @@ class PgTerms(NamedTuple):
     clipped: torch.Tensor    # bool, [B, S] or [B, 1]: where a clip binds, so the token gets no gradient
 
 
-class Objective:
+class Objective(abc.ABC):
     """Base class; see the module docstring. ``from_config`` receives the ``[algorithm]`` section."""
 
     name: ClassVar[str] = ""
@@ -48,12 +49,12 @@ class Objective:
     def from_config(cls, alg: Any) -> "Objective":
         return cls(alg)
 
+    @abc.abstractmethod
     def per_token_loss(self, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
                        adv: torch.Tensor) -> PgTerms:
         """The term of each token. ``logp`` [B, S] carries the gradient; ``old_logp`` [B, S] is the
         (detached) policy the ratio is taken against — the behaviour policy, or the proximal one under
         the off-policy correction; ``mask`` [B, S] bool marks loss tokens; ``adv`` is [B, 1]."""
-        raise NotImplementedError
 
 
 def ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float,
