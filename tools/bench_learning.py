@@ -1,7 +1,8 @@
 """Time to reward: the four modes from the same warm start, for the same training-time budget, over seeds.
 
     python tools/bench_learning.py [CONFIG] [--modes sync,one_step_off,fully_async,reflow] [--seeds 0,1,2]
-                                   [--budget-s 120] [--eval-every-steps 20] [--cpu-quota 0.45]
+                                   [--algorithms grpo,dapo,...] [--budget-s 120] [--eval-every-steps 20]
+                                   [--cpu-quota 0.45]
                                    [--peer trl] [--out DIR] [--plot FILE.png] [--set section.key=value ...] [--json]
 
 ReFlow's claim is *the same final reward, reached sooner*. Each (mode, seed) is one real run
@@ -20,6 +21,14 @@ time divided by sync's. The JSON object (``--json``, last line) adds ``reflow_ov
 (reflow's time to reach sync's final eval reward ÷ sync's), ``final_gap`` (reflow − sync final
 eval reward, mean over seeds) and ``final_gap_se``. The goal it measures: reflow reaches sync's
 final reward in ≤ 0.6× sync's time, and ends within one standard error (or 0.02) of it.
+
+``--algorithms a,b,…`` runs every objective (``algorithm.name``) in each mode of ``--modes`` from the
+same warm start, seeds and budget; the arms are then named by objective (``mode:objective`` with more
+than one mode). The JSON object's ``algorithms`` maps each to ``final``, ``final_se`` (eval reward at the
+end, mean ± s.e. over seeds), ``gain``, ``gain_se`` (final minus the start policy's sampled eval reward,
+per seed), ``well_formed_gain`` (the same among samples already in the verifier's answer form, which
+separates learning the task from learning its format), ``vs_grpo`` and ``vs_grpo_se`` (final minus
+grpo's, paired by seed) and the means of the run's ``rollout_is/*`` metrics.
 
 ``--peer trl`` adds TRL's GRPOTrainer (``tools/peer_trl.py``) for the same budget, held to the same
 total CPU share; it reports only its start and final score (TRL has no snapshot scoring here).
@@ -118,6 +127,46 @@ def summarise(curves: dict[str, list[list[tuple[float, float]]]], horizon: float
     return out
 
 
+def summarise_algorithms(runs: list[dict], labels: list[str]) -> dict:
+    """Per objective (arm label): final eval reward, gain over the start policy, the same gain among
+    well-formed samples and the difference to grpo's arm, each mean ± s.e. over seeds (paired by seed)."""
+    by: dict[str, dict[int, dict]] = {}
+    for r in runs:
+        by.setdefault(r["mode"], {})[r["seed"]] = r
+    out: dict[str, dict] = {}
+    ref = next((lab for lab in labels if lab.split(":")[-1] == "grpo"), None)
+    for label in labels:
+        seeds = by.get(label, {})
+        finals = [r["curve"][-1][1] for r in seeds.values()]
+        gains = [r["curve"][-1][1] - r["curve"][0][1] for r in seeds.values()]
+        wf = [r["well_formed_curve"][-1][1] - r["well_formed_curve"][0][1] for r in seeds.values()
+              if r.get("well_formed_curve")]
+        row = {"final": _mean(finals), "final_se": _se(finals), "gain": _mean(gains), "gain_se": _se(gains),
+               "well_formed_gain": _mean(wf), "well_formed_gain_se": _se(wf), "seeds": len(finals)}
+        if ref is not None:
+            diffs = [r["curve"][-1][1] - by[ref][sd]["curve"][-1][1] for sd, r in seeds.items() if sd in by[ref]]
+            row["vs_grpo"], row["vs_grpo_se"] = _mean(diffs), _se(diffs)
+        is_keys = sorted({k for r in seeds.values() for k in r.get("rollout_is", {})})
+        for k in is_keys:
+            row[k] = _mean([r["rollout_is"][k] for r in seeds.values() if k in r.get("rollout_is", {})])
+        out[label] = row
+    return out
+
+
+def algorithms_table(rows: dict[str, dict]) -> str:
+    head = ["objective", "seeds", "final", "± s.e.", "gain", "± s.e.", "well-formed gain", "vs grpo", "± s.e.",
+            "IS mean"]
+    lines = [head]
+    for label, r in rows.items():
+        lines.append([label, str(r["seeds"]), f"{r['final']:.3f}", _fmt(r["final_se"], ".3f"), f"{r['gain']:+.3f}",
+                      _fmt(r["gain_se"], ".3f"), _fmt(r["well_formed_gain"], "+.3f"), _fmt(r.get("vs_grpo"), "+.3f"),
+                      _fmt(r.get("vs_grpo_se"), ".3f"), _fmt(r.get("rollout_is/mean"), ".4f")])
+    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
+    text = ["  ".join(c.rjust(w) for c, w in zip(x, widths)) for x in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
 def _mean(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
     return sum(xs) / len(xs) if xs else math.nan
@@ -135,9 +184,12 @@ def _se(xs: list[float]) -> float:
 # Runs
 # ----------------------------------------------------------------------------------------------
 
-def run_one(config: str, mode: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
-    name = f"learn-{mode}-s{seed}"
-    sets = [*mode_sets(mode), f"run.seed={seed}", f"trainer.time_budget_s={args.budget_s}",
+def run_one(config: str, mode: str, seed: int, args: argparse.Namespace, out: Path,
+            algorithm: str | None = None, label: str | None = None) -> dict:
+    label = label or mode
+    name = f"learn-{label.replace(':', '-')}-s{seed}"
+    chosen = [f"algorithm.name={algorithm}"] if algorithm else []
+    sets = [*mode_sets(mode), *chosen, f"run.seed={seed}", f"trainer.time_budget_s={args.budget_s}",
             "trainer.steps=1000000", f"run.eval_every_steps={args.eval_every_steps}",
             f"resources.cpu_quota={args.cpu_quota}", f"run.output_dir={out}", f"run.name={name}",
             f"storage.dir={out / 'scratch' / name}", "checkpoint.resume=false", "checkpoint.every_steps=0",
@@ -153,9 +205,13 @@ def run_one(config: str, mode: str, seed: int, args: argparse.Namespace, out: Pa
     evals = read_jsonl(run_dir / "metrics.jsonl", "eval")
     steps = read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"mode": mode, "seed": seed, "steps": summary["steps"], "train_seconds": summary["train_seconds"],
+    is_keys = sorted({k for m in steps for k in m if k.startswith("trainer/rollout_is/")})
+    return {"mode": label, "seed": seed, "steps": summary["steps"], "train_seconds": summary["train_seconds"],
             "wall_seconds": time.monotonic() - t0,
             "curve": [(e["eval/elapsed_s"], e["eval/task/reward"]) for e in evals],
+            "well_formed_curve": [(e["eval/elapsed_s"], e.get("eval/task/well_formed_reward", math.nan),
+                                   e.get("eval/task/well_formed", math.nan)) for e in evals],
+            "rollout_is": {k.removeprefix("trainer/"): _mean([m[k] for m in steps if k in m]) for k in is_keys},
             "greedy": [(e["eval/elapsed_s"], e["eval/task/greedy"]) for e in evals],
             "throughput_tokens_per_s": sum(m["tokens"] for m in steps) / max(1e-9, sum(m["step_seconds"] for m in steps)),
             "idle_ratio/trainer": _mean([m["idle_ratio/trainer"] for m in steps]),
@@ -222,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", nargs="?", default=str(ROOT / "configs" / "cpu_tiny.toml"))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--algorithms", default=None, help="objectives (algorithm.name) to compare, comma-separated")
     ap.add_argument("--budget-s", type=float, default=120.0, help="training time of every run (seconds)")
     ap.add_argument("--eval-every-steps", type=int, default=25)
     ap.add_argument("--cpu-quota", type=float, default=0.45)
@@ -238,11 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_learning-"))
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
+    modes = args.modes.split(",")
+    algorithms = args.algorithms.split(",") if args.algorithms else [None]
+    # (label, mode, objective) of every arm: by mode alone, or by objective (and mode, with several)
+    arms = [(mode if alg is None else alg if len(modes) == 1 else f"{mode}:{alg}", mode, alg)
+            for alg in algorithms for mode in modes]
     runs: list[dict] = []
-    for seed in seeds:                         # seeds outermost: a drifting machine hits every mode alike
-        for mode in args.modes.split(","):
-            print(f"bench_learning: {mode}, seed {seed}, {args.budget_s:g} s ...", file=sys.stderr, flush=True)
-            runs.append(run_one(args.config, mode, seed, args, out))
+    for seed in seeds:                         # seeds outermost: a drifting machine hits every arm alike
+        for label, mode, alg in arms:
+            print(f"bench_learning: {label}, seed {seed}, {args.budget_s:g} s ...", file=sys.stderr, flush=True)
+            runs.append(run_one(args.config, mode, seed, args, out, alg, label))
         if args.peer == "trl":
             print(f"bench_learning: TRL, seed {seed} ...", file=sys.stderr, flush=True)
             runs.append(run_peer(args.config, seed, args, cfg.resources.workers))
@@ -250,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         curves.setdefault(r["mode"], []).append(r["curve"])
     result = summarise({m: c for m, c in curves.items() if m != "trl"}, args.budget_s)
+    if args.algorithms:
+        result["algorithms"] = summarise_algorithms(runs, [label for label, _, _ in arms])
     if "trl" in curves:
         finals = [c[-1][1] for c in curves["trl"]]
         result["modes"]["trl"] = {"final_reward": _mean(finals), "final_reward_se": _se(finals),
@@ -257,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     png = Path(args.plot) if args.plot else out / "bench_learning.png"
     plot(curves, args.budget_s, png, result.get("gain_level"))
     print(table(result))
+    if "algorithms" in result:
+        print(algorithms_table(result["algorithms"]))
     if "reflow_over_sync_time" in result:
         print(f"reflow reaches sync's final eval reward in {result['reflow_over_sync_time']:.2f}x sync's time "
               f"(goal ≤ 0.6); final gap reflow - sync {result['final_gap']:+.3f} ± {result['final_gap_se']:.3f} "

@@ -117,5 +117,8 @@ class Arithmetic(Task):
             acc = nxt
         return "\n".join(lines) + f"\n{ANSWER_MARKER} {acc}"
 
+    def well_formed(self, prompt: Prompt, response: str) -> bool:
+        return final_answer(response) is not None
+
     def reward(self, prompt: Prompt, response: str) -> float:
         return integer_reward(prompt.answer, response)

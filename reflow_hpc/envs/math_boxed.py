@@ -24,7 +24,7 @@ import random
 from typing import TYPE_CHECKING
 
 from ..config import ConfigError, data_rows
-from .math_score import math_reward
+from .math_score import extract_answer, math_reward
 from .task import Prompt, Task, register_task
 
 if TYPE_CHECKING:
@@ -77,6 +77,9 @@ class MathBoxed(Task):
         row = self._order(split, epoch)[pos]
         text, answer, messages = self.rows[row]
         return Prompt(row, text, answer, {"split": split}, messages)
+
+    def well_formed(self, prompt: Prompt, response: str) -> bool:
+        return extract_answer(response) is not None
 
     def reward(self, prompt: Prompt, response: str) -> float:
         return math_reward(response, prompt.answer)

@@ -110,6 +110,12 @@ class Task:
     def reward(self, prompt: Prompt, response: str) -> float:
         raise NotImplementedError
 
+    def well_formed(self, prompt: Prompt, response: str) -> bool | None:
+        """Whether ``response`` states an answer in the form the verifier reads (right or wrong); None
+        when the task has no such rule. Evaluation reports the reward among well-formed samples, which
+        separates learning the format from learning the task."""
+        return None
+
     def solution(self, prompt: Prompt) -> str | None:
         """A worked solution (the response text a perfect policy would write), if the task has one."""
         return None

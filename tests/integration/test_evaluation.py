@@ -44,3 +44,19 @@ def test_evaluate_scores_every_set_and_model():
         assert out[f"eval/{s}/start_greedy"] == out[f"eval/{s}/final_greedy"]   # same weights, greedy
     lines = report_lines(out)
     assert len(lines) == 2 and "start policy" in lines[0] and "held-out texts" in lines[1]
+
+
+def test_sampled_scores_split_the_answer_form_from_the_answer(policy_dir):
+    """The reward among samples in the verifier's form: for arithmetic, whose reward needs that form,
+    reward = (fraction well formed) x (reward among them) exactly, and a form rule counts every sample."""
+    from reflow_hpc.evaluation import sampled_scores
+    from reflow_hpc.policy import load_policy
+
+    cfg = C.load(None, [f"model.path={policy_dir}", "run.eval_samples=4", "rollout.max_new_tokens=64"])
+    task = make_task(cfg)
+    model, tok = load_policy(policy_dir, "float32", "cpu")
+    fresh, _ = prompt_sets(task, 16)
+    out = sampled_scores(cfg, model, tok, task, fresh)
+    assert 0.0 < out["well_formed"] <= 1.0, out
+    assert abs(out["reward"] - out["well_formed"] * out["well_formed_reward"]) < 1e-12, out
+    assert task.well_formed(fresh.prompts[0], "1+2 = 3\n#### 3") and not task.well_formed(fresh.prompts[0], "answer: 3")

@@ -64,3 +64,20 @@ def test_the_plot_is_written(tmp_path):
     out = tmp_path / "p.png"
     bl.plot(curves, 200.0, out, 0.76)
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_objectives_are_summarised_per_seed_and_paired_with_grpo():
+    def run(label, seed, start, final, wf_start, wf_final, is_mean):
+        return {"mode": label, "seed": seed, "curve": [(0.0, start), (120.0, final)],
+                "well_formed_curve": [(0.0, wf_start, 0.3), (120.0, wf_final, 0.9)],
+                "rollout_is": {"rollout_is/mean": is_mean}}
+    runs = [run("grpo", 0, 0.1, 0.5, 0.4, 0.5, 1.0), run("dapo", 0, 0.1, 0.6, 0.4, 0.6, 0.99),
+            run("grpo", 1, 0.2, 0.4, 0.5, 0.5, 1.0), run("dapo", 1, 0.2, 0.7, 0.5, 0.8, 1.01)]
+    rows = bl.summarise_algorithms(runs, ["grpo", "dapo"])
+    assert rows["grpo"]["final"] == pytest.approx(0.45) and rows["grpo"]["gain"] == pytest.approx(0.3)
+    assert rows["grpo"]["gain_se"] == pytest.approx(0.1)            # gains 0.4 and 0.2
+    assert rows["dapo"]["gain"] == pytest.approx(0.5) and rows["dapo"]["gain_se"] == pytest.approx(0.0)
+    assert rows["dapo"]["well_formed_gain"] == pytest.approx(0.25)   # 0.2 and 0.3
+    assert rows["dapo"]["vs_grpo"] == pytest.approx(0.2) and rows["dapo"]["vs_grpo_se"] == pytest.approx(0.1)
+    assert rows["grpo"]["vs_grpo"] == 0.0 and rows["dapo"]["rollout_is/mean"] == pytest.approx(1.0)
+    assert "dapo" in bl.algorithms_table(rows)
