@@ -28,9 +28,13 @@ Rules:
   ``temperature/top_p/max_completion_length`` (``top_k = 0``, stop at eos);
   ``trainer.grad_clip`` → ``max_grad_norm``; ``weight_decay``, ``adam_beta1/2``, ``adam_eps`` →
   AdamW (``adamw_torch``); ``trainer.schedule/warmup_steps/min_lr_ratio`` → ``constant``,
-  ``constant_with_warmup`` or ``cosine_with_min_lr``; ``run.seed`` → ``seed``. The loss is
-  ``loss_type = "dapo"``: clipped per-token terms summed and divided by the loss tokens of the
-  whole batch, which is our aggregation. Parameters in ``model.dtype`` without autocast, no
+  ``constant_with_warmup`` or ``cosine_with_min_lr``; ``run.seed`` → ``seed``. The objective
+  (``algorithm.name`` with its aggregation, :data:`TRL_OBJECTIVES`) → ``loss_type``,
+  ``importance_sampling_level`` and the clip range: grpo and dapo (token_mean) → ``"dapo"``, the
+  clipped per-token terms summed and divided by the loss tokens of the whole batch; dr_grpo →
+  ``"dr_grpo"``; gspo → ``"grpo"`` at sequence level; cispo → ``"cispo"``; the others, and an
+  aggregation TRL has no loss type for, are config errors (tests/unit/test_objectives.py holds
+  each pair equal on the same inputs). Parameters in ``model.dtype`` without autocast, no
   gradient checkpointing, CPU, no vLLM, no logging to external services. :func:`mismatches` lists
   what differs for a given config although its keys were mapped.
 - By design, TRL is a synchronous on-policy trainer in one process: it generates each step's batch
@@ -71,6 +75,36 @@ RESULT_KEYS = ("system", "steps", "wall_seconds", "throughput_tokens_per_s", "re
                "reward_last_steps", "eval/task/start_reward", "eval/task/final_reward", "trained_tokens")
 
 
+# (algorithm.name, aggregation) → (TRL loss_type, importance_sampling_level); the clip range of each is
+# in trl_loss. Equal losses on the same inputs: tests/unit/test_objectives.py (TRL_CASES).
+TRL_OBJECTIVES = {
+    ("grpo", "token_mean"): ("dapo", "token"),
+    ("grpo", "seq_mean_token_mean"): ("grpo", "token"),
+    ("dr_grpo", "seq_mean_token_sum_norm"): ("dr_grpo", "token"),
+    ("dapo", "token_mean"): ("dapo", "token"),
+    ("gspo", "seq_mean_token_mean"): ("grpo", "sequence"),
+    ("cispo", "token_mean"): ("cispo", "token"),
+}
+
+
+def trl_loss(cfg: "Config") -> dict[str, Any]:
+    """``GRPOConfig`` keywords of the objective: loss_type, importance_sampling_level, epsilon (low) and
+    epsilon_high; a config error naming algorithm.name (or loss_agg) for one TRL has no loss for."""
+    from reflow_hpc.config import objective_traits
+
+    a = cfg.algorithm
+    agg = objective_traits(cfg)[1]
+    pair = TRL_OBJECTIVES.get((a.name, agg))
+    if pair is None:
+        names = sorted({n for n, _ in TRL_OBJECTIVES})
+        if a.name not in names:
+            raise ConfigError("algorithm.name", a.name, "TRL's GRPOTrainer has no such loss; mapped: " + ", ".join(names))
+        raise ConfigError("algorithm.loss_agg", a.loss_agg, f"TRL has no loss type for {a.name} with {agg}")
+    low, high = {"dapo": (a.clip_low, a.dapo_clip_high), "gspo": (a.gspo_clip_low, a.gspo_clip_high),
+                 "cispo": (a.clip_low, a.cispo_clip_high)}.get(a.name, (a.clip_low, a.clip_high))
+    return {"loss_type": pair[0], "importance_sampling_level": pair[1], "epsilon": low, "epsilon_high": high}
+
+
 def _check(cfg: "Config") -> None:
     """What TRL cannot run, as one-line config errors naming our key."""
     g, b, mb = cfg.algorithm.group_size, cfg.trainer.batch_size, cfg.trainer.micro_batch_size
@@ -108,7 +142,7 @@ def trl_args(cfg: "Config", steps: int, output_dir: str) -> dict[str, Any]:
         learning_rate=t.lr, lr_scheduler_type=schedule, lr_scheduler_kwargs=schedule_kwargs,
         warmup_steps=t.warmup_steps, optim="adamw_torch", weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_epsilon=t.adam_eps, max_grad_norm=t.grad_clip,
-        loss_type="dapo", epsilon=a.clip_low, epsilon_high=a.clip_high, beta=a.kl_coef,
+        **trl_loss(cfg), beta=a.kl_coef,
         scale_rewards="group" if a.adv_std_norm else "none", mask_truncated_completions=False,
         temperature=r.temperature, top_p=r.top_p, top_k=0, max_completion_length=r.max_new_tokens,
         model_init_kwargs={"dtype": cfg.model.dtype} if a.kl_coef > 0 else None,   # the reference model
@@ -128,6 +162,10 @@ def mismatches(cfg: "Config") -> list[str]:
         out.append("cosine: TRL reaches lr·min_lr_ratio after the last update, ours at the last update")
     if cfg.rollout.max_model_len:
         out.append("rollout.max_model_len: TRL bounds only the completion (max_completion_length)")
+    if a.clip_ratio_c or a.is_cap or a.entropy_coef:
+        out.append("algorithm.clip_ratio_c, is_cap, entropy_coef: not mapped (TRL's ratio is 1 on its own samples)")
+    if a.kl_coef and a.kl_estimator != "k3":
+        out.append(f"algorithm.kl_estimator = {a.kl_estimator}: TRL uses k3")
     return out
 
 

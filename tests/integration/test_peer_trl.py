@@ -49,9 +49,24 @@ def test_grpo_config_mirrors_our_keys(tmp_path):
     assert any("warm-up" in n for n in notes) and any("cosine" in n for n in notes)
 
 
+@pytest.mark.parametrize("name, loss_type, level, eps", [
+    ("grpo", "dapo", "token", (0.2, 0.2)), ("dr_grpo", "dr_grpo", "token", (0.2, 0.2)),
+    ("dapo", "dapo", "token", (0.2, 0.28)), ("gspo", "grpo", "sequence", (3e-4, 4e-4)),
+    ("cispo", "cispo", "token", (0.2, 5.0))])
+def test_each_objective_maps_to_trls_loss(name, loss_type, level, eps, tmp_path):
+    import trl
+
+    cfg = C.load(None, ["model.warmstart=true", f"algorithm.name={name}"], check_files=False)
+    args = trl.GRPOConfig(**peer_trl.trl_args(cfg, steps=1, output_dir=str(tmp_path)))
+    assert (args.loss_type, args.importance_sampling_level) == (loss_type, level)
+    assert (args.epsilon, args.epsilon_high) == pytest.approx(eps)
+
+
 @pytest.mark.parametrize("override, key", [("trainer.batch_size=10", "trainer.batch_size"),
                                            ("trainer.micro_batch_size=3", "trainer.micro_batch_size"),
-                                           ("algorithm.group_size=1", "algorithm.group_size")])
+                                           ("algorithm.group_size=1", "algorithm.group_size"),
+                                           ("algorithm.name=rloo", "algorithm.name"),
+                                           ("algorithm.loss_agg=seq_mean_token_sum", "algorithm.loss_agg")])
 def test_configs_trl_cannot_run_name_the_key(override, key, tmp_path):
     with pytest.raises(C.ConfigError) as e:     # a group of one is refused at load, the others by TRL's rules
         cfg = C.load(None, ["model.warmstart=true", "trainer.batch_size=8", "algorithm.group_size=4",
