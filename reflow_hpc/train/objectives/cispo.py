@@ -9,6 +9,11 @@ so every token — also one whose ratio left the trust region — keeps the grad
     L   = Σ_i Σ_t ℓ_it / Σ_i |y_i|                        (token_mean)
 
 The paper leaves the lower bound open (no lower clip), as TRL's ``loss_type = "cispo"`` does.
+
+Replay: the stop-gradient weight min(ρ_t, ε_max) takes each token's ratio against its own recorded
+behaviour log-prob; a replayed token with a large ratio is capped at ε_max but still contributes its
+gradient (no token is clipped away), so CISPO keeps learning from old samples where PPO's clip would
+drop them. The advantage and the weight τ·ω_i / Z are as in grpo.
 """
 
 from __future__ import annotations

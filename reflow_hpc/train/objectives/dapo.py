@@ -8,6 +8,10 @@ default) and token-level aggregation over the whole batch:
 
 DAPO's dynamic sampling (dropping groups whose rewards are all equal) and overlong reward shaping
 act on samples and rewards, not on the loss; they are not part of this objective.
+
+Replay: as grpo (the clip-higher bound applies to replayed tokens too). Dynamic sampling drops
+uninformative groups before they are ever trained, so only samples of informative groups are
+replayed.
 """
 
 from __future__ import annotations

@@ -7,6 +7,14 @@
 Aggregated by ``token_mean`` over the whole batch unless ``algorithm.loss_agg`` says otherwise
 (DeepSeekMath averages per sequence; token-mean is what DAPO and most frameworks run, and this
 system's loss before objectives were selectable).
+
+Replay (mode reflow, σ > 0): a replayed sample enters with the advantage its group gave it
+(``algorithm.replay_advantage = keep``) or one recomputed against the newest group of its prompt
+(``recompute``); each token's ratio is taken against the log-prob the engine recorded when that token
+was generated, so the tokens of a partial rollout that span several versions each use their own
+behaviour policy; its weight is τ·ω_i / Z. A replayed sample is one or more versions older than the
+trainer's policy, so its ratios stray further from 1 and the clip binds more often (``is_cap``
+corrects for the gap instead of clipping it away).
 """
 
 from __future__ import annotations

@@ -9,6 +9,13 @@ sequence level with its own, much narrower range (``algorithm.gspo_clip_low`` / 
     L   = (1/B) Σ_i ℓ_i                                  (seq_mean_token_mean: ℓ_i on every token of i)
 
 ∇s_i = s_i (1/|y_i|) Σ_t ∇log π(y_it): every token of a sequence gets the same weight.
+
+Replay: the sequence ratio s_i is the geometric mean of the per-token ratios, each token against the
+log-prob recorded when it was generated, so a sample whose tokens come from several versions still
+has one well-defined s_i. A replayed sample's s_i drifts from 1 by its staleness; GSPO's narrow
+sequence clip then zeroes its gradient more often than a fresh sample's (clip_fraction rises with
+the replay fraction), which is the point of a sequence-level trust region. The advantage and the
+weight τ·ω_i / Z are as in grpo.
 """
 
 from __future__ import annotations
