@@ -205,7 +205,12 @@ def ensure_policy(cfg: "Config", log=print) -> Path:
     if (path / "config.json").is_file():
         if cfg.model.warmstart and (path / RECIPE).is_file():
             now = json.loads(json.dumps(recipe(cfg)))          # tuples as JSON lists, like the saved one
-            changed = [k for k, _, _ in config_changes(json.loads((path / RECIPE).read_text()), now)]
+            # A key added since the policy was saved counts at its default, so a newer version of this
+            # package does not refuse a policy that its new keys, left at their defaults, would not change.
+            saved = json.loads(json.dumps(recipe(type(cfg)())))
+            for section, values in json.loads((path / RECIPE).read_text()).items():
+                saved.setdefault(section, {}).update(values)
+            changed = [k for k, _, _ in config_changes(saved, now)]
             if changed:
                 raise ConfigError("model.path", cfg.model.path,
                                   f"holds a policy warm-started with other settings ({', '.join(changed)} differ); "

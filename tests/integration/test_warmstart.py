@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import sys
 
 import pytest
@@ -113,3 +115,12 @@ def test_a_policy_warm_started_with_other_settings_is_refused(tmp_path):
     assert e.value.key == "model.path" and "task.max_terms, warmstart.steps differ" in str(e.value)
     as_is = C.load(None, SMALL[1:] + ["model.warmstart=false", "warmstart.steps=3", f"model.path={path}"])
     assert ensure_policy(as_is, log=lambda s: None) == path          # used as it is, no recipe check
+    # A recipe saved before a task key existed: the key counts at its default, not as a change.
+    recipe_file = path / "reflow_warmstart.json"
+    saved = json.loads(recipe_file.read_text())
+    del saved["task"]["max_terms"]
+    recipe_file.write_text(json.dumps(saved))
+    assert ensure_policy(same, log=lambda s: None) == path
+    with pytest.raises(C.ConfigError, match="task.max_terms"):
+        ensure_policy(C.load(None, SMALL + ["warmstart.steps=2", "task.max_terms=5", f"model.path={path}"]),
+                      log=lambda s: None)
