@@ -7,6 +7,9 @@ For the finished members of one group with rewards r_1..r_m:
     group_centre:   A_i =  r_i - mean(r)                     (Dr. GRPO, Liu et al. 2025: no std)
     leave_one_out:  A_i =  r_i - mean_{j≠i}(r_j) = m/(m-1) · (r_i - mean(r))
                     (RLOO, Ahmadian et al. 2024, "Back to Basics"; 0 for a group of one)
+    none:           A_i =  0                                 (ppo: the trainer computes per-token GAE
+                    advantages from its critic, reflow_hpc/train/objectives/ppo.py; the coordinator's
+                    value is not read)
 
 std is the population standard deviation (divides by m), so a group with one finished member, or
 with equal rewards, gets advantages of 0 instead of a division by zero.
@@ -18,7 +21,7 @@ import math
 from typing import Sequence
 
 
-ESTIMATORS = ("group_norm", "group_centre", "leave_one_out")
+ESTIMATORS = ("group_norm", "group_centre", "leave_one_out", "none")
 
 
 def group_advantages(rewards: Sequence[float], *, eps: float, std_norm: bool = True,
@@ -28,6 +31,8 @@ def group_advantages(rewards: Sequence[float], *, eps: float, std_norm: bool = T
     m = len(rewards)
     if m == 0:
         return []
+    if estimator == "none":
+        return [0.0] * m
     mean = math.fsum(rewards) / m
     centred = [r - mean for r in rewards]
     if estimator == "leave_one_out":

@@ -4,8 +4,9 @@ Layout under the checkpoint root::
 
     step_000010/
         model/           Hugging Face directory: config.json, *.safetensors, tokenizer files
-        trainer.pt       trainer state (optimizer, scheduler, step) and the RNG states of python,
-                         numpy and torch (CPU and every CUDA device)
+        trainer.pt       trainer state (optimizer, scheduler, step; under ppo the critic: its weights,
+                         optimizer, schedule and step) and the RNG states of python, numpy and torch
+                         (CPU and every CUDA device)
         extra/<key>.json what the caller adds: the coordinator stores the replay-buffer index and
                          each worker's shard manifest here
         partials/        (a run that stopped early) the samples being generated, to continue after a
@@ -307,8 +308,9 @@ def load_model_weights(model: Any, model_dir: str | os.PathLike) -> None:
 
 
 # Config keys a resumed run must share with the checkpoint: the buffer index, the shard manifests
-# and the saved tensors are laid out by them. Any other key may change between the two runs.
-RESUME_FIXED = ("algorithm.group_size", "resources.workers", "resources.trainer_replicas",
+# and the saved tensors are laid out by them (the objective: the advantages the index holds come from
+# its estimator, and ppo's critic is saved only by ppo). Any other key may change between the two runs.
+RESUME_FIXED = ("algorithm.group_size", "algorithm.name", "resources.workers", "resources.trainer_replicas",
                 "resources.rollout_instances", "model.dtype", "model.tiny_", "task.")
 
 

@@ -15,7 +15,8 @@ Rules (DESIGN §2, §7):
   and its clip are taken against the proximal policy — the trainer's log-probs at the start of the
   step; the trainer takes one optimizer step per batch, so that is the current policy, detached — and
   ``pg_t`` is multiplied by ``ω_t = π_prox/π_behav`` (per token, or per sample as the product over its
-  tokens), truncated at ``is_cap`` (``truncate``) or set to 0 above it (``mask``). With ``is_cap = 0``
+  tokens), truncated at ``is_cap`` (``truncate``) or set to 0 above it, and below ``is_low`` when that
+  is set (``mask``). With ``is_cap = 0``
   nothing changes: the ratio is against the behaviour log-probs, as in GRPO above.
 - Optional KL to a frozen reference policy (weight ``kl_coef``, estimator ``kl_estimator``, see
   :func:`kl_estimate`) and an entropy bonus (``-entropy_coef · H_t``) are added per token.
@@ -75,6 +76,7 @@ class LossSettings:
     is_cap: float = 0.0                # 0 = no off-policy correction
     is_level: str = "token"
     is_mode: str = "truncate"
+    is_low: float = 0.0                # mask: weights below it are zeroed too (0 = no lower bound)
 
     def __post_init__(self) -> None:
         if self.loss_agg not in AGGREGATIONS:
@@ -97,10 +99,12 @@ class LossSettings:
         """From a whole config: ``[algorithm]`` and ``rollout.max_new_tokens``."""
         from ..config import objective_traits
         a = cfg.algorithm
+        # KL in the reward (ppo): the critic's rewards carry it, the loss adds none.
         return cls(objective=make_objective(a), loss_agg=objective_traits(cfg)[1],
-                   max_response_len=int(cfg.rollout.max_new_tokens), kl_coef=a.kl_coef,
+                   max_response_len=int(cfg.rollout.max_new_tokens),
+                   kl_coef=0.0 if getattr(a, "kl_in_reward", False) else a.kl_coef,
                    kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, is_cap=a.is_cap,
-                   is_level=a.is_level, is_mode=a.is_mode)
+                   is_level=a.is_level, is_mode=a.is_mode, is_low=a.is_low)
 
 
 class _Clip:
@@ -132,11 +136,12 @@ def kl_of_log_ratio(d: torch.Tensor, kind: str = "k3") -> torch.Tensor:
 
 
 def rollout_is_weights(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, *,
-                       cap: float, level: str = "token", mode: str = "truncate"
+                       cap: float, level: str = "token", mode: str = "truncate", low: float = 0.0
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(applied weight, raw weight, capped) of each token, [B, S], no gradient: the importance weight
     ``π_prox/π_behav`` per token (``token``) or per sample as the product over its loss tokens
-    (``sequence``), then truncated at ``cap`` (TIS) or zeroed above it (``mask``, MIS). ``cap = 0``
+    (``sequence``), then truncated at ``cap`` (TIS) or zeroed above it, and below ``low`` when that is
+    > 0 (``mask``, MIS); ``capped`` marks the loss tokens whose weight was changed. ``cap = 0``
     applies nothing (weight 1) but still gives the raw weights for the metrics."""
     with torch.no_grad():
         log_w = torch.where(mask, prox_logp - behaviour_logp, torch.zeros_like(prox_logp))
@@ -147,6 +152,8 @@ def rollout_is_weights(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, ma
             return torch.ones_like(raw), raw, torch.zeros_like(mask)
         capped = mask & (raw > cap)
         if mode == "mask":
+            if low > 0:
+                capped = capped | (mask & (raw < low))
             applied = torch.where(capped, torch.zeros_like(raw), raw)
         else:
             applied = torch.clamp(raw, max=cap)
@@ -197,8 +204,10 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Te
     """(loss, sums, maxima) of one micro-batch; see the module docstring for the formula.
 
     Shapes: ``logp``, ``behaviour_logp``, ``mask``, ``ref_logp``, ``entropy`` are [B, S] (token s
-    of row b); ``advantages`` and ``weights`` are [B]. ``batch_loss_tokens`` is N, the loss tokens of
-    the whole batch over all micro-batches and replicas (0 is treated as 1: no token carries loss);
+    of row b); ``weights`` are [B], ``advantages`` [B] (one per sample) or [B, S] (per token: ppo's, from
+    its critic; the metric ``advantages/mean`` then takes each sample's mean over its loss tokens).
+    ``batch_loss_tokens`` is N, the loss tokens of the whole batch over all micro-batches and replicas
+    (0 is treated as 1: no token carries loss);
     ``batch_samples`` is B, its samples (read by the seq_mean aggregations; 0 is treated as 1).
     ``settings`` selects the objective and everything around it; without it, GRPO with ``clip_low``,
     ``clip_high`` and ``kl_coef`` (k3). ``entropy`` enters the loss only when
@@ -218,14 +227,15 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Te
     fmask = mask.to(logp.dtype)
     n_batch = float(max(int(batch_loss_tokens), 1))
     n_samples = float(max(int(batch_samples), 1))
-    adv = advantages.to(logp.dtype)[:, None]
+    adv = advantages.to(logp.dtype)
+    adv = adv[:, None] if adv.dim() == 1 else adv
     w = weights.to(logp.dtype)[:, None]
     behaviour = behaviour_logp.to(logp.dtype)
 
     # Decoupled correction: one optimizer step per batch, so the proximal policy is the current one, detached.
     prox = logp.detach()
     is_w, is_raw, is_capped = rollout_is_weights(prox, behaviour, mask, cap=st.is_cap, level=st.is_level,
-                                                 mode=st.is_mode)
+                                                 mode=st.is_mode, low=st.is_low)
     anchor = prox if st.is_cap > 0 else behaviour
     terms = st.objective.per_token_loss(logp, anchor, mask, adv)
     pg = terms.loss.expand_as(logp) if terms.loss.shape != logp.shape else terms.loss
@@ -261,7 +271,8 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Te
             "clipped": (f64 * clipped.double()).sum(),
             "ratio": (f64 * r).sum(),
             "approx_kl": (f64 * (r_b - 1.0 - lr_b)).sum(),
-            "advantage": advantages.double().sum(),
+            "advantage": (advantages.double().sum() if advantages.dim() == 1 else
+                          ((f64 * advantages.double()).sum(-1) / f64.sum(-1).clamp(min=1.0)).sum()),
             "weight": weights.double().sum(),
             "is_weight": (f64 * raw).sum(),
             "is_capped": (f64 * is_capped.double()).sum(),

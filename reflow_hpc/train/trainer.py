@@ -25,6 +25,12 @@ the loss (:mod:`reflow_hpc.train.loss`) and the schedule (:mod:`reflow_hpc.train
   the vocabulary, a non-finite advantage or weight, or an ``N_batch`` (or, when the aggregation
   reads it, a ``B``) that differs from what the trainer ranks actually hold fails with one line naming
   the sample or the numbers.
+- **Critic.** An objective that ``uses_critic`` (ppo) gets a :class:`~reflow_hpc.train.critic.Critic`, laid out
+  like the policy: before the policy's micro-batches it computes the per-token advantages (GAE, whitened over
+  the batch) and takes its value loss's backward; after them it updates itself. During its warm-up
+  (``critic.warmup_steps``) the policy is not run and not updated. Its parameters and optimizer state are
+  part of :meth:`state_tensors` (replica checks, a joining replica's state) and of :meth:`state_dict`
+  (checkpoints); never of :meth:`named_weights`.
 - **State.** :meth:`named_weights` (the weight sync), :meth:`full_model` and :meth:`state_dict`
   (checkpoints, snapshots) give full tensors in the format of an unsharded replica — for a sharded
   one a collective over its shard group whose first member keeps the result (the others get None);
@@ -78,9 +84,10 @@ class MicroBatch:
     position_ids: torch.Tensor     # [B, L]
     behaviour_logp: torch.Tensor   # [B, L-1], aligned with the predicted tokens input_ids[:, 1:]
     loss_mask: torch.Tensor        # [B, L-1]
-    advantages: torch.Tensor       # [B]
+    advantages: torch.Tensor       # [B], or [B, L-1] once a critic has put per-token advantages here
     weights: torch.Tensor          # [B]
     tokens: int
+    rewards: torch.Tensor          # [B], the samples' rewards (read by a critic)
 
 
 def collate(items: Sequence[WeightedSample], pad_id: int, device: torch.device) -> MicroBatch:
@@ -105,7 +112,7 @@ def collate(items: Sequence[WeightedSample], pad_id: int, device: torch.device) 
         behaviour_logp=as_t(beh), loss_mask=as_t(mask),
         advantages=as_t(np.array([it.advantage for it in items], dtype=np.float32)),
         weights=as_t(np.array([it.weight for it in items], dtype=np.float32)),
-        tokens=int(attn.sum()))
+        tokens=int(attn.sum()), rewards=as_t(np.array([it.trajectory.reward for it in items], dtype=np.float64)))
 
 
 class Trainer:
@@ -137,6 +144,11 @@ class Trainer:
         if alg.kl_coef > 0:
             self.ref_model = ref_model.to(self.device).eval().requires_grad_(False)
         self.model = model.to(self.device)
+        self.critic = None
+        if self.loss_settings.objective.uses_critic:     # a copy of the policy before it is laid out
+            from .critic import Critic
+            self.critic = Critic(self.model, cfg, self.device, group=group, shard_group=shard_group,
+                                 rank=self.rank, timeout_s=self.timeout_s)
         self.parallel = parallelize(self.model, shard_group, device=self.device, rank=self.rank,
                                     timeout_s=self.timeout_s, bucket_mb=tc.sync_bucket_mb)
         self._params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -152,6 +164,8 @@ class Trainer:
         """The replica group changed (a role switch): ``group`` holds every replica — with sharding, this
         rank's counterparts — None for one replica. The shard group never changes."""
         self.replicas.set_group(group)
+        if self.critic is not None:
+            self.critic.set_group(group)
 
     # ------------------------------------------------------------------ the step
 
@@ -172,22 +186,32 @@ class Trainer:
         order = sorted(items, key=lambda it: len(it.trajectory.tokens))
         chunks = [order[i:i + tc.micro_batch_size] for i in range(0, len(order), tc.micro_batch_size)]
         rounds = self.parallel.micro_batch_rounds(len(chunks), self.step + 1)
+        mbs = [collate(chunk, self.pad_id, self.device) for chunk in chunks]
+        frozen = self.critic is not None and self.critic.policy_frozen
         with guarded(self.rank, f"trainer forward/backward over the shard group (step {self.step + 1})"):
+            if self.critic is not None:
+                ref = self._ref_logp if self.ref_model is not None else None
+                self.critic.advantages(mbs, rounds, batch_loss_tokens, self.step + 1, ref)
             for i in range(rounds):
                 if i >= len(chunks):
-                    self._idle_micro_step()
+                    if not frozen:
+                        self._idle_micro_step()
                     continue
-                chunk = chunks[i]
-                mb = collate(chunk, self.pad_id, self.device)
-                loss, s, m = self._micro_step(mb, batch_loss_tokens, batch_samples)
-                loss.backward()
+                mb = mbs[i]
+                if frozen:       # critic warm-up: the policy is not run; the batch is only counted
+                    s, m = empty_stats(self.device)
+                    s[SUM_KEYS.index("samples")], s[SUM_KEYS.index("loss_tokens")] = len(chunks[i]), mb.loss_mask.sum()
+                else:
+                    loss, s, m = self._micro_step(mb, batch_loss_tokens, batch_samples)
+                    loss.backward()
                 sums += s
                 maxima = torch.maximum(maxima, m)
                 tokens += mb.tokens
-                replay += sum(1 for it in chunk if it.is_replay)
+                replay += sum(1 for it in chunks[i] if it.is_replay)
         t1 = self._now()
 
-        self.replicas.sum_gradients(self._params, self.step + 1)
+        if not frozen:
+            self.replicas.sum_gradients(self._params, self.step + 1)
         extra = torch.tensor([tokens, replay], dtype=torch.float64, device=self.device)
         totals = self._allreduce_all(torch.cat([sums, extra]), dist.ReduceOp.SUM, "step metrics sum")
         maxima = self._allreduce_all(maxima, dist.ReduceOp.MAX, "step metrics max")
@@ -206,9 +230,14 @@ class Trainer:
                              f"(algorithm.loss_agg = {self.loss_settings.loss_agg} divides by it)")
         t2 = self._now()
 
-        grad_norm = self.parallel.clip_grad_norm([p for _, p in self._params], tc.grad_clip, self.step + 1)
+        critic_metrics = self.critic.update(self.step + 1) if self.critic is not None else {}
+        grad_norm = 0.0
+        if not frozen:
+            grad_norm = self.parallel.clip_grad_norm([p for _, p in self._params], tc.grad_clip, self.step + 1)
         finite = math.isfinite(grad_norm)
-        if finite:
+        if frozen:          # the policy's optimizer and schedule stand still while the critic warms up
+            pass
+        elif finite:
             self.optimizer.step()
             self.scheduler.step()
         else:
@@ -229,6 +258,7 @@ class Trainer:
             "nonfinite_grad": 0.0 if finite else 1.0, "step": float(self.step),
             "seconds": t3 - t0, "forward_backward_seconds": t1 - t0, "allreduce_seconds": t2 - t1,
             "optimizer_seconds": t3 - t2})
+        metrics.update(critic_metrics)
         return metrics
 
     def _idle_micro_step(self) -> None:
@@ -245,16 +275,18 @@ class Trainer:
         logp, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:], self.temperature,
                                        entropy_grad=self.loss_settings.entropy_coef > 0)
         del logits
-        ref_logp = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logits = self.ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                            position_ids=mb.position_ids, use_cache=False).logits
-                ref_logp, _ = token_logprobs(ref_logits[:, :-1], mb.input_ids[:, 1:], self.temperature)
-                del ref_logits
+        ref_logp = self._ref_logp(mb) if self.loss_settings.kl_coef > 0 else None
         return policy_loss(logp, mb.behaviour_logp, mb.loss_mask, mb.advantages, mb.weights,
                            batch_loss_tokens=batch_loss_tokens, batch_samples=batch_samples, ref_logp=ref_logp,
                            entropy=entropy, settings=self.loss_settings)
+
+    def _ref_logp(self, mb: MicroBatch) -> torch.Tensor:
+        """The frozen reference policy's log-probs of the micro-batch's tokens, [B, L-1]."""
+        with torch.no_grad():
+            ref_logits = self.ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                        position_ids=mb.position_ids, use_cache=False).logits
+            ref_logp, _ = token_logprobs(ref_logits[:, :-1], mb.input_ids[:, 1:], self.temperature)
+        return ref_logp
 
     def _check_items(self, items: Sequence[WeightedSample], batch_loss_tokens: int) -> None:
         if batch_loss_tokens < 0:
@@ -298,7 +330,7 @@ class Trainer:
             st = adam_state(self.optimizer, p)
             out += [(name, local(p.data)), (f"{name}.exp_avg", local(st["exp_avg"])),
                     (f"{name}.exp_avg_sq", local(st["exp_avg_sq"])), (f"{name}.step", st["step"])]
-        return out
+        return out + (self.critic.state_tensors() if self.critic is not None else [])
 
     def send_state(self, dst: int) -> int:
         """Send parameters, optimizer state and schedule to a new replica on rank ``dst``; returns bytes.
@@ -307,6 +339,8 @@ class Trainer:
             raise RuntimeError(f"rank {self.rank}: send_state from an offloaded trainer: call onload() first")
         meta = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                 "lrs": [g["lr"] for g in self.optimizer.param_groups]}
+        if self.critic is not None:
+            meta["critic"] = self.critic.meta()
         return send_state(self.state_tensors(), meta, dst, device=self.device, rank=self.rank,
                           timeout_s=self.timeout_s, bucket_mb=self.cfg.trainer.sync_bucket_mb)
 
@@ -320,6 +354,8 @@ class Trainer:
             g["lr"] = lr
         self.step = int(meta["step"])
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.load_meta(meta["critic"])
         return got
 
     # ------------------------------------------------------------------ weights and state
@@ -358,9 +394,12 @@ class Trainer:
         (full tensors on CPU, the same format, so a checkpoint resumes with any ``s_T``), None on the
         others."""
         full = self.parallel.full_state(self.model, self.optimizer, include_model)
+        critic = self.critic.state_dict() if self.critic is not None else None
         if full is None:
             return None
         state = {"optimizer": full["optimizer"], "scheduler": self.scheduler.state_dict(), "step": self.step}
+        if critic is not None:
+            state["critic"] = critic
         if include_model:
             state["model"] = full["model"]
         return state
@@ -372,17 +411,27 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self._offload.reloaded()
+        if self.critic is not None and "critic" in state:
+            self.critic.load_state_dict(state["critic"])
+        elif self.critic is not None and self.rank == 0:
+            print("trainer: the checkpoint holds no critic (it was written by an objective without one): the "
+                  "critic starts fresh from the policy's weights with a new value head and warms up again "
+                  f"({self.cfg.critic.warmup_steps} step(s), critic.warmup_steps)", flush=True)
 
     # ------------------------------------------------------------------ colocated mode
 
     def offload(self) -> None:
-        """Free the gradients and move the optimizer state to CPU memory (a no-op on CPU;
+        """Free the gradients and move the optimizer state (the critic's too) to CPU memory (a no-op on CPU;
         :mod:`reflow_hpc.train.offload`)."""
         self._offload.offload()
+        if self.critic is not None:
+            self.critic.offload.offload()
 
     def onload(self) -> None:
         """Undo :meth:`offload`."""
         self._offload.onload()
+        if self.critic is not None:
+            self.critic.offload.onload()
 
     @property
     def offloaded(self) -> bool:

@@ -133,9 +133,10 @@ def test_resume_refuses_a_config_the_checkpoint_is_not_laid_out_by(tmp_path):
     (step / "extra").mkdir(parents=True)
     (step / "extra" / "config.json").write_text(json.dumps(C.to_dict(cfg)))
     (step / "meta.json").write_text(json.dumps({"step": 4, "extra": ["config"], "format": 1}))
-    now = C.to_dict(C.load(None, overrides + ["algorithm.group_size=4", "trainer.lr=3e-4", "task.max_terms=5"]))
+    now = C.to_dict(C.load(None, overrides + ["algorithm.group_size=4", "trainer.lr=3e-4", "task.max_terms=5",
+                                              "algorithm.name=rloo"]))
     fixed, free = resume_changes(step, now)
-    assert [k for k, _, _ in fixed] == ["algorithm.group_size", "task.max_terms"]
+    assert [k for k, _, _ in fixed] == ["algorithm.group_size", "algorithm.name", "task.max_terms"]
     assert free == [("trainer.lr", cfg.trainer.lr, 3e-4)]
     (tmp_path / "run.toml").write_text("")
     r = python_m("reflow_hpc.run", str(tmp_path / "run.toml"), "--set", "model.warmstart=true",

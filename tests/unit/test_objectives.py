@@ -43,7 +43,7 @@ def settings(name: str, agg: str, **kw) -> LossSettings:
     a = algorithm(name, **kw)
     return LossSettings(objective=make_objective(a), loss_agg=agg, max_response_len=L_MAX, kl_coef=a.kl_coef,
                         kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, is_cap=a.is_cap,
-                        is_level=a.is_level, is_mode=a.is_mode)
+                        is_level=a.is_level, is_mode=a.is_mode, is_low=a.is_low)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def random_batch(seed: int, rows: int = 7, width: int = 12, agg: str = "token_me
 
 def reference_loss(name, logp, behaviour, mask, adv, w, *, agg, n_tokens, n_samples, max_len=L_MAX,
                    clip_low=0.2, clip_high=0.25, dapo_high=0.28, gspo_low=3e-4, gspo_high=4e-4, cispo_cap=5.0,
-                   clip_c=0.0, is_cap=0.0, is_level="token", is_mode="truncate", kl_coef=0.0, ref=None,
+                   clip_c=0.0, is_cap=0.0, is_level="token", is_mode="truncate", is_low=0.0, kl_coef=0.0, ref=None,
                    kl_kind="k3", ent_coef=0.0, entropy=None):
     total = torch.zeros((), dtype=torch.float64)
     rows, width = logp.shape
@@ -109,7 +109,7 @@ def reference_loss(name, logp, behaviour, mask, adv, w, *, agg, n_tokens, n_samp
                 if is_mode == "truncate":
                     weight[t] = min(raw[t], is_cap)
                 else:
-                    weight[t] = 0.0 if raw[t] > is_cap else raw[t]
+                    weight[t] = 0.0 if raw[t] > is_cap or raw[t] < is_low else raw[t]
         terms = {}
         if name == "gspo":
             mean_log = sum(logp[i, t] - old[t] for t in toks) / len(toks)
@@ -152,6 +152,7 @@ VARIANTS = {
     "dual_clip": {"clip_ratio_c": 2.0},
     "tis_token": {"is_cap": 1.5},
     "mis_sequence": {"is_cap": 2.0, "is_level": "sequence", "is_mode": "mask"},
+    "mis_token_low": {"is_cap": 1.3, "is_mode": "mask", "is_low": 0.8},
     "tis_sequence": {"is_cap": 1.2, "is_level": "sequence"},
     "kl_k2_entropy": {"kl_coef": 0.1, "kl_estimator": "k2", "entropy_coef": 0.01},
     "kl_low_var": {"kl_coef": 0.05, "kl_estimator": "low_var_kl"},
@@ -161,7 +162,7 @@ VARIANTS = {
 def ref_kwargs(kw):
     return {"clip_c": kw.get("clip_ratio_c", 0.0), "is_cap": kw.get("is_cap", 0.0),
             "is_level": kw.get("is_level", "token"), "is_mode": kw.get("is_mode", "truncate"),
-            "kl_coef": kw.get("kl_coef", 0.0), "kl_kind": kw.get("kl_estimator", "k3"),
+            "is_low": kw.get("is_low", 0.0), "kl_coef": kw.get("kl_coef", 0.0), "kl_kind": kw.get("kl_estimator", "k3"),
             "ent_coef": kw.get("entropy_coef", 0.0)}
 
 
@@ -435,6 +436,9 @@ def test_truncated_and_masked_importance_weights_token_and_sequence():
     assert w[0, :3].tolist() == pytest.approx([1.0, 2.0, 0.5]) and capped[0].tolist() == [False, True, False, False]
     w, _, _ = rollout_is_weights(prox, beh, mask, cap=2.0, level="token", mode="mask")
     assert w[0, :3].tolist() == pytest.approx([1.0, 0.0, 0.5])
+    # a lower bound masks the 0.5 as well, and counts it as changed
+    w, _, capped = rollout_is_weights(prox, beh, mask, cap=2.0, level="token", mode="mask", low=0.6)
+    assert w[0, :3].tolist() == pytest.approx([1.0, 0.0, 0.0]) and capped[0].tolist() == [False, True, True, False]
     # sequence: the product over loss tokens 1 · 3 · 0.5 = 1.5 (the pad's e^7 is not in it)
     w, raw, capped = rollout_is_weights(prox, beh, mask, cap=2.0, level="sequence", mode="truncate")
     assert raw[0, :3].tolist() == pytest.approx([1.5] * 3) and w[0, :3].tolist() == pytest.approx([1.5] * 3)
@@ -526,13 +530,14 @@ def test_objective_traits_follow_the_objective_and_the_override():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("algorithm.name=ppo", "algorithm.name"),
+    ("algorithm.name=nope", "algorithm.name"),
     ("algorithm.group_size=1", "algorithm.group_size"),
     ("algorithm.clip_ratio_c=0.9", "algorithm.clip_ratio_c"),
     ("algorithm.is_cap=0.5", "algorithm.is_cap"),
     ("algorithm.loss_agg=seq_mean", "algorithm.loss_agg"),
     ("algorithm.is_level=batch", "algorithm.is_level"),
     ("algorithm.kl_estimator=k4", "algorithm.kl_estimator"),
+    ("algorithm.is_low=0.5", "algorithm.is_low"),           # no correction to bound
 ])
 def test_settings_that_cannot_work_fail_at_load_naming_the_key(override, key):
     sets = ["model.warmstart=true", override]
@@ -570,3 +575,41 @@ def test_a_plugin_objective_is_valid_once_registered():
         assert isinstance(st.objective, Reinforce) and st.loss_agg == "seq_mean_token_mean"
     finally:
         plugins._OBJECTIVES.pop(name, None)
+
+
+# ------------------------------------------------------------------------------------------------
+# How a replayed sample enters each loss (the objective modules' "Replay" paragraphs)
+# ------------------------------------------------------------------------------------------------
+
+def _stale_sample():
+    """One sample of 4 tokens: two from the version the trainer now has (ratio 1), two generated two
+    versions back and since made 3x likelier (ratio 3): a replayed partial rollout."""
+    behaviour = torch.tensor([[math.log(0.2), math.log(0.2), math.log(0.1), math.log(0.1)]], dtype=torch.float64)
+    logp = torch.tensor([[math.log(0.2), math.log(0.2), math.log(0.3), math.log(0.3)]], dtype=torch.float64)
+    return logp, behaviour, torch.ones(1, 4, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "dr_grpo", "rloo", "gspo", "cispo"])
+def test_a_replayed_sample_trains_under_every_objective_in_mode_reflow(name):
+    cfg = C.load(None, ["model.warmstart=true", f"algorithm.name={name}", "reflow.mode=reflow",
+                        "reflow.sigma=0.5", "reflow.tau=0.5"], check_files=False)
+    assert cfg.reflow.sigma == 0.5             # no objective refuses replay
+    logp, behaviour, mask = _stale_sample()
+    x = logp.clone().requires_grad_(True)
+    adv, w = torch.ones(1, dtype=torch.float64), torch.full((1,), 0.5, dtype=torch.float64)
+    loss, _, _ = policy_loss(x, behaviour, mask, adv, w, batch_loss_tokens=4, batch_samples=1,
+                             settings=settings(name, C.BUILTIN_OBJECTIVES[name][1]))
+    loss.backward()
+    g = x.grad[0]
+    if name == "cispo":       # the stale tokens keep their gradient, weighted by the capped ratio
+        assert g[2] == pytest.approx(3 * g[0]) and g[0] != 0
+    elif name == "gspo":      # s = exp(mean log ρ) = √3 is far outside 1 ± 4e-4: the clip takes the gradient
+        assert torch.equal(g, torch.zeros(4, dtype=torch.float64))
+    else:                     # PPO clip per token: ρ = 3 > 1 + ε with A > 0 clips the stale tokens only
+        assert g[0] != 0 and g[2] == 0 and g[3] == 0
+
+
+def test_gspo_sequence_ratio_over_tokens_of_several_versions_is_their_geometric_mean():
+    logp, behaviour, mask = _stale_sample()
+    terms = make_objective(algorithm("gspo")).per_token_loss(logp, behaviour, mask, torch.ones(1, 1))
+    assert float(terms.ratio[0, 0]) == pytest.approx(math.sqrt(3.0), rel=1e-12)

@@ -15,6 +15,7 @@ not import torch); a test holds the two tables equal. A plugin (``run.plugins``)
 | gspo | (r - mean) / std | PPO clip of the sequence ratio s_i | seq_mean_token_mean |
 | cispo | (r - mean) / std | -sg(min(ρ_t, ε_max)) A log π | token_mean |
 | rloo | r - mean of the others | PPO clip of ρ_t | token_mean |
+| ppo | none (per-token GAE from the trainer's critic) | PPO clip of ρ_t, A per token | token_mean |
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from .dapo import DAPO
 from .dr_grpo import DrGRPO
 from .grpo import GRPO
 from .gspo import GSPO
+from .ppo import PPO
 from .rloo import RLOO
 
 BUILTIN: dict[str, type[Objective]] = {
-    "grpo": GRPO, "dr_grpo": DrGRPO, "dapo": DAPO, "gspo": GSPO, "cispo": CISPO, "rloo": RLOO,
+    "grpo": GRPO, "dr_grpo": DrGRPO, "dapo": DAPO, "gspo": GSPO, "cispo": CISPO, "rloo": RLOO, "ppo": PPO,
 }
 for _name, _cls in BUILTIN.items():
     _cls.name = _name

@@ -6,6 +6,8 @@ completes), its default aggregation (``loss_agg``, used when ``algorithm.loss_ag
 :meth:`Objective.per_token_loss`, the policy-gradient term of every token. Everything around that
 term is the same for every objective and lives in :mod:`reflow_hpc.train.loss`: the replay weights
 w̃_i, the off-policy correction (``algorithm.is_cap``), KL, the entropy bonus and the aggregation.
+An objective with ``uses_critic`` (ppo) gets a critic on the trainer (:mod:`reflow_hpc.train.critic`) and a
+per-token advantage ``[B, S]`` computed there instead of the coordinator's ``[B, 1]``.
 
 Add one in a ``run.plugins`` module::
 
@@ -41,6 +43,7 @@ class Objective(abc.ABC):
     name: ClassVar[str] = ""
     advantage: ClassVar[str] = "group_norm"
     loss_agg: ClassVar[str] = "token_mean"
+    uses_critic: ClassVar[bool] = False
 
     def __init__(self, alg: Any):
         self.alg = alg
@@ -54,7 +57,8 @@ class Objective(abc.ABC):
                        adv: torch.Tensor) -> PgTerms:
         """The term of each token. ``logp`` [B, S] carries the gradient; ``old_logp`` [B, S] is the
         (detached) policy the ratio is taken against — the behaviour policy, or the proximal one under
-        the off-policy correction; ``mask`` [B, S] bool marks loss tokens; ``adv`` is [B, 1]."""
+        the off-policy correction; ``mask`` [B, S] bool marks loss tokens; ``adv`` is [B, 1], or [B, S] per
+        token for an objective that ``uses_critic``."""
 
 
 def ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float,
