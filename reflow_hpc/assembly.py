@@ -8,9 +8,11 @@ adaptive generation scheduling apply to mode ``reflow`` only.
 
 from __future__ import annotations
 
-from .config import Config, objective_traits
+from typing import Callable
+
+from .config import Config, dynamic_sampling, fresh_filter, objective_traits
 from .core.coordinator import Coordinator, Settings
-from .core.index import build_index
+from .core.index import ReplayIndex, build_index
 from .core.modes import rules
 from .core.placement import PlacementSettings
 from .core.scheduling import SchedulingSettings
@@ -39,7 +41,9 @@ def coordinator_settings(cfg: Config, *, workers: int | None = None, replica_siz
         switch_cost_s=sch.switch_cost_s) if reflow and sch.elastic else None
     schedule = tuple((int(a), int(b)) for a, _, b in (x.partition(":") for x in sch.placement_schedule)) \
         if reflow else ()
-    return Settings(rules=rules(cfg.reflow.mode), steps=cfg.trainer.steps, sync_every=cfg.reflow.sync_every,
+    refills = fresh_filter(cfg) != "accept_all"             # a fresh filter may leave batches short
+    return Settings(rules=rules(cfg.reflow.mode, refills=refills), steps=cfg.trainer.steps,
+                    sync_every=cfg.reflow.sync_every,
                     cap_max=cap_max if cap_max is not None else cfg.rollout.max_concurrency,
                     kv_budget=kv_budget if kv_budget is not None else cfg.rollout.kv_budget_tokens,
                     scheduling=scheduling, placement=placement, placement_schedule=schedule,
@@ -51,11 +55,22 @@ def coordinator_settings(cfg: Config, *, workers: int | None = None, replica_siz
 
 
 def new_coordinator(cfg: Config, settings: Settings, *, trainers: list[int], rollouts: list[int], world: int,
-                    resume_from: str | None = None) -> Coordinator:
-    """A coordinator with the config's replay index (σ, τ, δ, b_max, sampler, replay filter, seed)."""
+                    resume_from: str | None = None, prompt_key: Callable[[int], int] | None = None) -> Coordinator:
+    """A coordinator with the config's replay index (:func:`replay_index`)."""
+    return Coordinator(settings, replay_index(cfg, prompt_key), trainers=trainers, rollouts=rollouts, world=world,
+                       resume_from=resume_from)
+
+
+def replay_index(cfg: Config, prompt_key: Callable[[int], int] | None = None) -> ReplayIndex:
+    """The config's replay index: σ, τ, δ, b_max, sampler, replay filter, seed, the objective's advantage
+    estimator, the fresh-sample hooks (dynamic sampling and its cap), and the replayed advantages, whose
+    prompts ``prompt_key`` identifies (None: by dispatch index; the runtime passes the task's, see
+    ``runtime/training.py`` ``prompt_key``)."""
+    a = cfg.algorithm
     estimator, agg = objective_traits(cfg)
     # seq_mean_token_mean gives every sample the same share of the loss, so its weights average 1 per sample
-    index = build_index(cfg.reflow, group_size=cfg.algorithm.group_size, batch_size=cfg.trainer.batch_size,
-                        seed=cfg.run.seed, adv_eps=cfg.algorithm.adv_eps, adv_std_norm=cfg.algorithm.adv_std_norm,
-                        adv_estimator=estimator, per_sample_weights=agg == "seq_mean_token_mean")
-    return Coordinator(settings, index, trainers=trainers, rollouts=rollouts, world=world, resume_from=resume_from)
+    return build_index(cfg.reflow, group_size=a.group_size, batch_size=cfg.trainer.batch_size, seed=cfg.run.seed,
+                       adv_eps=a.adv_eps, adv_std_norm=a.adv_std_norm, adv_estimator=estimator,
+                       per_sample_weights=agg == "seq_mean_token_mean", dynamic_sampling=dynamic_sampling(cfg),
+                       max_gen_batches=a.max_gen_batches, replay_advantage=a.replay_advantage,
+                       prompt_key=prompt_key)

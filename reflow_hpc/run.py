@@ -373,9 +373,9 @@ def report(summary: dict, cfg: Config) -> str:
     lines.append(f"training reward of unused samples: first steps {summary.get('reward_first_steps', float('nan')):.3f}"
                  f" -> last steps {summary.get('reward_last_steps', float('nan')):.3f}")
     b = summary.get("buffer", {})
+    from .core.sample import TERMINAL_REASONS
     ends = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in b.items()
-                     if k.startswith("buffer/") and k.split("/", 1)[1] in
-                     ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost"))
+                     if k.startswith("buffer/") and k.split("/", 1)[1] in TERMINAL_REASONS)
     # With σ > 0 a trained sample usually ends replayed-then-evicted, so the reasons alone hide training.
     trained = (f"trained on: {b['buffer/trained_samples']} samples, plus {b['buffer/replayed_uses']} replays; "
                if "buffer/trained_samples" in b else "")

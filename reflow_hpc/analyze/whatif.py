@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from reflow_hpc.config import Config, ConfigError, load, objective_traits
+from reflow_hpc.config import Config, ConfigError, dynamic_sampling, load, objective_traits
 from reflow_hpc.core.index import Batch, ReplayIndex, build_index
 from reflow_hpc.core.modes import rules
 
@@ -137,11 +137,14 @@ def check_overrides(overrides: list[str]) -> None:
 
 
 def make_index(cfg: Config) -> ReplayIndex:
-    """The index a run with this config builds (runtime/training.py ``build_coordinator``)."""
+    """The index a run with this config builds (runtime/training.py ``build_coordinator``; prompts matched
+    by dispatch index for recomputed replay advantages)."""
+    a = cfg.algorithm
     estimator, agg = objective_traits(cfg)
-    return build_index(cfg.reflow, group_size=cfg.algorithm.group_size, batch_size=cfg.trainer.batch_size,
-                       seed=cfg.run.seed, adv_eps=cfg.algorithm.adv_eps, adv_std_norm=cfg.algorithm.adv_std_norm,
-                       adv_estimator=estimator, per_sample_weights=agg == "seq_mean_token_mean")
+    return build_index(cfg.reflow, group_size=a.group_size, batch_size=cfg.trainer.batch_size, seed=cfg.run.seed,
+                       adv_eps=a.adv_eps, adv_std_norm=a.adv_std_norm, adv_estimator=estimator,
+                       per_sample_weights=agg == "seq_mean_token_mean", dynamic_sampling=dynamic_sampling(cfg),
+                       max_gen_batches=a.max_gen_batches, replay_advantage=a.replay_advantage)
 
 
 def settings_of(cfg: Config) -> dict[str, Any]:

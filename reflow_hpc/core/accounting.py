@@ -4,7 +4,9 @@ A sample that leaves the index ends in exactly one terminal state, each with a c
 ``trained`` (trained on, replay disabled: σ = 0), ``filtered`` (trained on, the replay filter
 declined it), ``evicted_stale`` (staleness > δ), ``aborted`` (shutdown, explicit abort, or in flight
 at a restore), ``failed`` (generation failed, or its worker was lost while generating), ``lost``
-(payload unreadable: its owner was lost or its shard is damaged). Nothing disappears silently.
+(payload unreadable: its owner was lost or its shard is damaged), ``uninformative`` (never trained
+on: the fresh filter declined it when its group completed, e.g. dynamic sampling's all-equal-reward
+groups). Nothing disappears silently.
 
 The counters, each kept up to date in O(1) where the event happens and saved in checkpoints:
 

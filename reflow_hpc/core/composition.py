@@ -15,6 +15,11 @@
     sample has the same share of the loss, ``Z = Σ w_j / b`` (``per_sample_weights``) so that the
     mean weight is 1. Each batch reports ``α = τλ/(1-λ+τλ) ≤ τσ/(1-σ+τσ)``.
 
+Advantages.
+    An unused sample trains with the advantage its group gave it; a replayed one too, or, with
+    ``algorithm.replay_advantage = "recompute"``, with one computed against its prompt's newest
+    group (:mod:`reflow_hpc.core.replay_advantage`).
+
 A batch lists its unused samples first, then its replay samples; the sampler draws its randomness
 only from the composer's seeded ``random.Random``, so the same events give the same batches.
 """
@@ -99,6 +104,7 @@ class Composer:
         pool.start_training(recs)
         batch = self.batch(recs, r, pool.version, now)
         self.step += 1
+        pool.gate.batch_composed()
         return batch
 
     def batch(self, recs: list[SampleRecord], replay: int, version: int, now: float) -> Batch:
@@ -107,12 +113,15 @@ class Composer:
         is_replay = tuple([rec.times_used > 0 for rec in recs])
         tokens = tuple([rec.loss_tokens for rec in recs])
         lam = replay / self.batch_size
+        latest = self.pool.latest
+        advantages = [rec.advantage for rec in recs] if latest is None or not replay else \
+            [latest.advantage(rec) if rec.times_used > 0 else rec.advantage for rec in recs]
         return Batch(
             step=self.step, version=version,
             sample_ids=tuple([rec.sample_id for rec in recs]),
             owners=tuple([rec.owner for rec in recs]),
             is_replay=is_replay,
-            advantages=tuple([rec.advantage for rec in recs]),
+            advantages=tuple(advantages),
             loss_weights=tuple(loss_weights(is_replay, tokens, self.tau, [rec.base_weight for rec in recs],
                                             per_sample=self.per_sample_weights)),
             loss_tokens=tokens,

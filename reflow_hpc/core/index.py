@@ -27,7 +27,7 @@ Lifecycle
          └──────────────────────── compose_batch ────────────────────^
 
 A sample that leaves the index ends in exactly one terminal state, each with a counter
-(``trained``, ``filtered``, ``evicted_stale``, ``aborted``, ``failed``, ``lost``). Nothing disappears
+(``trained``, ``filtered``, ``evicted_stale``, ``aborted``, ``failed``, ``lost``, ``uninformative``). Nothing disappears
 silently: ``created == live + Σ terminal`` at all times, computed and checked by
 :meth:`ReplayIndex.accounting` (:mod:`reflow_hpc.core.accounting`).
 
@@ -44,9 +44,14 @@ The rules, and the part that holds each
     At every version bump, pooled samples with staleness > δ end as ``evicted_stale``; a sample that
     finishes already staler than δ is evicted on arrival; training samples are checked when their
     step ends. No trainable sample is ever staler than δ.
-Groups (:mod:`~reflow_hpc.core.pool`).
+Groups (:mod:`~reflow_hpc.core.pool`, :mod:`~reflow_hpc.core.fresh`).
     A group's finished samples become ready together, with group-normalised advantages, once every
-    member finished or ended.
+    member finished or ended — those the fresh filter keeps (``reflow.fresh_filter``; dynamic
+    sampling drops groups whose rewards are all equal, up to ``algorithm.max_gen_batches`` batches
+    of generation per step), with the ω the sample-weight hook gives them; the others end as
+    ``uninformative``.
+Replayed advantages (:mod:`~reflow_hpc.core.replay_advantage`).
+    Kept from the sample's group, or recomputed against its prompt's newest group when composed.
 After a step (:mod:`~reflow_hpc.core.pool`, :mod:`~reflow_hpc.core.filters`).
     First matching rule wins: owner lost → ``lost``; σ = 0 → ``trained``; staleness > δ →
     ``evicted_stale``; filter declines → ``filtered``; else → ``replay``.
@@ -70,7 +75,7 @@ checkpoint code reads and writes them all (handed over as ``index_state.IndexPar
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from reflow_hpc.core import index_state
 from reflow_hpc.core.accounting import Accounting
@@ -78,12 +83,15 @@ from reflow_hpc.core.advantages import ESTIMATORS
 from reflow_hpc.core.composition import Batch, Composer
 from reflow_hpc.core.dispatch_window import DispatchWindow
 from reflow_hpc.core.filters import ReplayFilter, make_replay_filter
+from reflow_hpc.core.fresh import (FreshFilter, GroupGate, SampleWeight, make_fresh_filter,
+                                   make_sample_weight)
 from reflow_hpc.core.index_state import STATE_FORMAT, IndexParts, RecoveredSample
 from reflow_hpc.core.modes import check
 from reflow_hpc.core.pool import Group, Pool, Release
 from reflow_hpc.core.pool_checks import check_pool
-from reflow_hpc.core.sample import (FAILED, FINISHED, GENERATING, LOST, PENDING, READY, REPLAY, TERMINAL_REASONS,
-                                    TRAINING, SampleRecord)
+from reflow_hpc.core.replay_advantage import REPLAY_ADVANTAGES, LatestGroups
+from reflow_hpc.core.sample import (ABORTED, EVICTED_STALE, FAILED, FILTERED, FINISHED, GENERATING, LOST, PENDING,
+                                    READY, REPLAY, TRAINED, TRAINING, UNINFORMATIVE, SampleRecord)
 from reflow_hpc.core.samplers import Sampler, make_sampler
 
 __all__ = ["GAUGE_NAMES", "STATE_FORMAT", "Batch", "Group", "RecoveredSample", "Release", "ReplayIndex",
@@ -91,10 +99,12 @@ __all__ = ["GAUGE_NAMES", "STATE_FORMAT", "Batch", "Group", "RecoveredSample", "
 
 # Stable metric names (DESIGN §10): gauges() returns exactly these keys, in this order; names are
 # only ever added, at the end.
+_FIRST_REASONS = (TRAINED, FILTERED, EVICTED_STALE, ABORTED, FAILED, LOST)     # the reasons of the first gauges
 GAUGE_NAMES = (tuple(f"buffer/{s}" for s in (READY, REPLAY, TRAINING, PENDING, FINISHED))
-               + tuple(f"buffer/{r}" for r in TERMINAL_REASONS)
+               + tuple(f"buffer/{r}" for r in _FIRST_REASONS)
                + ("buffer/evicted_unused", "buffer/created", "dispatch/budget", "step", "version",
-                  "buffer/trained_samples", "buffer/replayed_uses"))
+                  "buffer/trained_samples", "buffer/replayed_uses", f"buffer/{UNINFORMATIVE}",
+                  "buffer/groups_completed", "buffer/groups_dropped", "buffer/groups_over_cap"))
 
 
 class ReplayIndex:
@@ -103,7 +113,9 @@ class ReplayIndex:
     def __init__(self, *, group_size: int, batch_size: int, sigma: float, tau: float, delta: int,
                  b_max: int, sampler: Sampler, replay_filter: ReplayFilter, seed: int = 0,
                  adv_eps: float = 1e-6, adv_std_norm: bool = True, adv_estimator: str = "group_norm",
-                 per_sample_weights: bool = False):
+                 per_sample_weights: bool = False, fresh_filter: FreshFilter | None = None,
+                 sample_weight: SampleWeight | None = None, max_gen_batches: int = 0, replay_advantage: str = "keep",
+                 prompt_key: Callable[[int], int] | None = None):
         _require(isinstance(group_size, int) and group_size >= 1, "group_size", group_size, "must be an integer ≥ 1")
         _require(isinstance(batch_size, int) and batch_size >= 1, "batch_size", batch_size, "must be an integer ≥ 1")
         _require(0.0 <= sigma < 1.0, "sigma", sigma, "must be in [0, 1)")
@@ -121,8 +133,11 @@ class ReplayIndex:
         self.adv_eps, self.adv_std_norm = float(adv_eps), bool(adv_std_norm)
         self.sampler, self.replay_filter = sampler, replay_filter
         self._accounts = Accounting()
+        gate, latest = _group_hooks(batch_size, fresh_filter, sample_weight, max_gen_batches, replay_advantage,
+                                    LatestGroups(estimator=adv_estimator, eps=self.adv_eps,
+                                                 std_norm=self.adv_std_norm, prompt_key=prompt_key))
         self._pool = Pool(delta=delta, sampler=sampler, accounts=self._accounts, adv_eps=self.adv_eps,
-                          adv_std_norm=self.adv_std_norm, adv_estimator=adv_estimator)
+                          adv_std_norm=self.adv_std_norm, adv_estimator=adv_estimator, gate=gate, latest=latest)
         self._composer = Composer(batch_size=batch_size, sigma=self.sigma, tau=self.tau, pool=self._pool,
                                   sampler=sampler, seed=seed, per_sample_weights=per_sample_weights)
         self._window = DispatchWindow(b_max, self._pool.count, self._composer.ready)
@@ -201,7 +216,7 @@ class ReplayIndex:
         """Metrics under the stable names of GAUGE_NAMES."""
         acc = self._accounts
         g = {f"buffer/{s}": self._count[s] for s in (READY, REPLAY, TRAINING, PENDING, FINISHED)}
-        g.update({f"buffer/{r}": n for r, n in acc.ended.items()})
+        g.update({f"buffer/{r}": acc.ended[r] for r in _FIRST_REASONS})
         g["buffer/evicted_unused"] = acc.evicted_unused
         g["buffer/created"] = acc.created
         g["dispatch/budget"] = self.dispatch_budget
@@ -209,6 +224,10 @@ class ReplayIndex:
         g["version"] = self._pool.version
         g["buffer/trained_samples"] = acc.trained
         g["buffer/replayed_uses"] = acc.replayed
+        gate = self._pool.gate
+        g[f"buffer/{UNINFORMATIVE}"] = acc.ended[UNINFORMATIVE]
+        g["buffer/groups_completed"], g["buffer/groups_dropped"] = gate.completed, gate.dropped
+        g["buffer/groups_over_cap"] = gate.passed
         return g
 
     def accounting(self) -> dict[str, Any]:
@@ -309,7 +328,8 @@ class ReplayIndex:
         """Plain JSON-able state; see :meth:`load_state_dict`."""
         params = {"group_size": self.group_size, "batch_size": self.batch_size, "sigma": self.sigma,
                   "tau": self.tau, "delta": self.delta, "b_max": self.b_max, "adv_eps": self.adv_eps,
-                  "adv_std_norm": self.adv_std_norm}
+                  "adv_std_norm": self.adv_std_norm, "max_gen_batches": self._pool.gate.cap // self.batch_size,
+                  "replay_advantage": "keep" if self._pool.latest is None else "recompute"}
         return index_state.state_dict(self._parts, params)
 
     @classmethod
@@ -317,15 +337,19 @@ class ReplayIndex:
                         replay_filter: ReplayFilter | None = None, resume: bool = True) -> "ReplayIndex":
         """An index with the checkpoint's parameters and state.
 
-        ``sampler`` / ``replay_filter`` default to fresh instances of the checkpoint's registered
-        names with default settings; pass configured ones when they take parameters.
+        ``sampler`` / ``replay_filter`` (and the fresh-sample hooks) default to fresh instances of the
+        checkpoint's registered names with default settings; pass configured ones when they take
+        parameters.
         """
         index_state.check_format(state)
         if sampler is None:
             sampler = make_sampler(state["sampler"]["name"])
         if replay_filter is None:
             replay_filter = make_replay_filter(state["replay_filter"]["name"])
-        index = cls(**state["params"], sampler=sampler, replay_filter=replay_filter)
+        fresh = state.get("fresh") or {"fresh_filter": "accept_all", "sample_weight": "uniform"}
+        index = cls(**state["params"], sampler=sampler, replay_filter=replay_filter,
+                    fresh_filter=make_fresh_filter(fresh["fresh_filter"]),
+                    sample_weight=make_sample_weight(fresh["sample_weight"]))
         index.load_state_dict(state, resume=resume)
         return index
 
@@ -380,28 +404,53 @@ def _require(ok: bool, name: str, value: Any, why: str) -> None:
         raise ValueError(f"replay index: {name} = {value!r}: {why}")
 
 
+def _group_hooks(batch_size: int, fresh_filter: FreshFilter | None, sample_weight: SampleWeight | None,
+                 max_gen_batches: int, replay_advantage: str,
+                 latest: LatestGroups) -> tuple[GroupGate, LatestGroups | None]:
+    """The pool's group gate, and ``latest`` when replayed advantages are recomputed (else None)."""
+    _require(isinstance(max_gen_batches, int) and max_gen_batches >= 0, "max_gen_batches", max_gen_batches,
+             "must be an integer ≥ 0 (0: no cap)")
+    _require(replay_advantage in REPLAY_ADVANTAGES, "replay_advantage", replay_advantage,
+             "allowed: " + ", ".join(REPLAY_ADVANTAGES))
+    _require(fresh_filter is None or isinstance(fresh_filter, FreshFilter), "fresh_filter",
+             type(fresh_filter).__name__, "must be a FreshFilter")
+    _require(sample_weight is None or isinstance(sample_weight, SampleWeight), "sample_weight",
+             type(sample_weight).__name__, "must be a SampleWeight")
+    gate = GroupGate(fresh_filter, sample_weight, max_gen_batches * batch_size)
+    return gate, latest if replay_advantage == "recompute" else None
+
+
 # ----------------------------------------------------------------------------------------------
 # Construction from the config
 # ----------------------------------------------------------------------------------------------
 
 def build_index(reflow: Any, *, group_size: int, batch_size: int, seed: int, adv_eps: float = 1e-6,
-                adv_std_norm: bool = True, adv_estimator: str = "group_norm",
-                per_sample_weights: bool = False) -> ReplayIndex:
-    """The index, sampler and replay filter that a ``[reflow]`` config section describes.
+                adv_std_norm: bool = True, adv_estimator: str = "group_norm", per_sample_weights: bool = False,
+                dynamic_sampling: bool = False, max_gen_batches: int = 0, replay_advantage: str = "keep",
+                prompt_key: Callable[[int], int] | None = None) -> ReplayIndex:
+    """The index, sampler, replay filter and fresh-sample hooks that a ``[reflow]`` config section
+    describes, with the ``[algorithm]`` settings passed by keyword.
 
     ``reflow`` is read by attribute (mode, sigma, tau, delta, b_max, sampler, replay_filter,
-    reward_low, reward_high). ``b_max = 0`` means ``batch_size``. The settings are checked against
-    the mode's rules (:func:`reflow_hpc.core.modes.check`): a baseline given σ > 0 is refused, not
-    run with σ = 0.
+    reward_low, reward_high, and fresh_filter and sample_weight when it has them). ``b_max = 0``
+    means ``batch_size``. ``dynamic_sampling`` selects the fresh filter ``informative_groups`` in
+    place of ``accept_all``. The settings are checked against the mode's rules
+    (:func:`reflow_hpc.core.modes.check`): a baseline given σ > 0 is refused, not run with σ = 0.
     """
     b_max = reflow.b_max or batch_size
-    check(reflow.mode, sigma=reflow.sigma, delta=reflow.delta, b_max=b_max, batch_size=batch_size,
-          sync_every=reflow.sync_every)
+    fresh = getattr(reflow, "fresh_filter", "accept_all")
+    if dynamic_sampling and fresh == "accept_all":
+        fresh = "informative_groups"
+    mode = check(reflow.mode, sigma=reflow.sigma, delta=reflow.delta, b_max=b_max, batch_size=batch_size,
+                 sync_every=reflow.sync_every, refills=fresh != "accept_all")
     return ReplayIndex(
-        group_size=group_size, batch_size=batch_size, sigma=reflow.sigma, tau=reflow.tau, delta=reflow.delta,
+        group_size=group_size, batch_size=batch_size, sigma=reflow.sigma, tau=reflow.tau,
+        delta=mode.pool_delta(reflow.delta),
         b_max=b_max,
         sampler=make_sampler(reflow.sampler, reflow),
         replay_filter=make_replay_filter(reflow.replay_filter, reflow),
         seed=seed, adv_eps=adv_eps, adv_std_norm=adv_std_norm, adv_estimator=adv_estimator,
-        per_sample_weights=per_sample_weights,
+        per_sample_weights=per_sample_weights, fresh_filter=make_fresh_filter(fresh, reflow),
+        sample_weight=make_sample_weight(getattr(reflow, "sample_weight", "uniform"), reflow),
+        max_gen_batches=max_gen_batches, replay_advantage=replay_advantage, prompt_key=prompt_key,
     )

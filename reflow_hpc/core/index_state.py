@@ -2,8 +2,10 @@
 
 :func:`state_dict` is plain JSON-able data (RNG state, sampler state and the order of the ready queue
 included); :func:`load_state_dict` rebuilds an index that behaves identically. The format is
-``STATE_FORMAT`` 1; keys added since (``evicted_unused``, ``trained``, ``replayed``) are read with a
-fallback, so checkpoints written before them load unchanged.
+``STATE_FORMAT`` 1; keys added since (``evicted_unused``, ``trained``, ``replayed``, ``fresh``: the
+fresh-sample hooks' names and group counters, ``latest_groups``: each prompt's newest group for
+recomputed replay advantages, and the ``uninformative`` terminal counter) are read with a fallback,
+so checkpoints written before them load unchanged.
 
 With ``resume=True`` (a restart) samples that were pending at checkpoint time end as ``aborted`` —
 their generation state died with the old processes — which may complete their groups; samples that
@@ -96,6 +98,8 @@ def state_dict(parts: IndexParts, params: Mapping[str, Any]) -> dict[str, Any]:
         "replay_filter": {"name": parts.replay_filter.name},
         "trained": acc.trained,
         "replayed": acc.replayed,
+        "fresh": pool.gate.state_dict(),
+        "latest_groups": pool.latest.state_dict() if pool.latest is not None else [],
     }
 
 
@@ -124,6 +128,9 @@ def load_state_dict(parts: IndexParts, state: dict[str, Any], *, resume: bool,
     saved = state["sampler"]
     parts.sampler.load_state_dict(saved["state"] if saved["name"] == parts.sampler.name else None, replay)
     parts.window.restore(state["budget"])                   # b_max may have changed
+    pool.gate.load_state_dict(state.get("fresh"))
+    if pool.latest is not None:
+        pool.latest.load_state_dict(state.get("latest_groups"))
     out: list[Release] = []
     pool.evict_stale(out)                      # δ may have shrunk since the checkpoint
     if resume:
@@ -186,7 +193,7 @@ def recover(parts: IndexParts, samples: Iterable[RecoveredSample], now: float) -
     for gid, recs in groups.items():
         group = OpenGroup(gid, recs[0].prompt_id, tuple(r.sample_id for r in recs), 0)
         pool.groups[gid] = group
-        pool.complete_group(group)
+        pool.complete_group(group, out)
     if items:
         pool.next_sample_id = max(s.sample_id for s in items) + 1
         pool.next_group_id = max(pool.next_group_id, max(s.group_id for s in items) + 1)

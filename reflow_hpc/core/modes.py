@@ -19,13 +19,19 @@ minus its oldest token version. So with ``sync_every = k`` a sync advances the p
 ``staleness_threshold`` (samples generated ahead of the trainer), and δ drops what is older than
 the bound instead of training it.
 
+A fresh filter that drops groups (dynamic sampling, :mod:`reflow_hpc.core.fresh`) leaves a batch-level
+mode's batch short; the trainer then waits for refill groups generated on the newest weights, which
+are on-policy when trained. So with ``refills`` the guarantee of ``one_step_off`` is "at most one
+step behind" (``sync`` keeps its own), and the index holds unused samples no staler than the mode's
+exact staleness: the surplus of a refill that a batch leaves is evicted at the next version bump.
+
 A configuration under which a mode cannot keep its guarantee is refused by :func:`check` (the config
 loader turns it into a one-line ``config error``); nothing is overridden silently.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class ModeRules:
     batch_level: bool        # one batch is dispatched per step (b_max = batch size)
     partial_rollouts: bool   # a sync may hold in-flight requests and resume them under new weights
     exact_staleness: int | None   # every trained token is exactly this many steps behind (None: ≤ δ)
+    refills: bool = False    # a fresh filter drops groups: batch-level refills may be on-policy (docstring)
 
     def staleness_ok(self, staleness: int, delta: int, step: int) -> bool:
         """Whether a token trained at 0-based ``step`` with this staleness keeps the mode's guarantee.
@@ -43,7 +50,15 @@ class ModeRules:
         when its least and greatest staleness do)."""
         if self.exact_staleness is None:
             return 0 <= staleness <= delta
+        if self.refills:
+            return 0 <= staleness <= min(self.exact_staleness, step)
         return staleness == min(self.exact_staleness, step)
+
+    def pool_delta(self, delta: int) -> int:
+        """The staleness bound of the index: δ, or the exact staleness of a batch-level mode with refills."""
+        if self.refills and self.exact_staleness is not None:
+            return min(delta, self.exact_staleness)
+        return delta
 
 
 MODES: dict[str, ModeRules] = {
@@ -66,17 +81,20 @@ class ModeError(ValueError):
         super().__init__(f"{key} = {value!r}: {why}")
 
 
-def rules(mode: str) -> ModeRules:
+def rules(mode: str, *, refills: bool = False) -> ModeRules:
+    """The rules of ``mode``; ``refills``: a fresh filter that may drop groups is in force."""
     try:
-        return MODES[mode]
+        r = MODES[mode]
     except KeyError:
         raise ModeError("reflow.mode", mode, "allowed: " + ", ".join(MODES)) from None
+    return replace(r, refills=True) if refills else r
 
 
-def check(mode: str, *, sigma: float, delta: int, b_max: int, batch_size: int, sync_every: int) -> ModeRules:
+def check(mode: str, *, sigma: float, delta: int, b_max: int, batch_size: int, sync_every: int,
+          refills: bool = False) -> ModeRules:
     """The rules of ``mode``, or :class:`ModeError` for the first setting that would break its guarantee.
     ``b_max`` is the effective dispatch window (the config's 0 already replaced by the batch size)."""
-    r = rules(mode)
+    r = rules(mode, refills=refills)
     if not r.replays and sigma > 0:
         raise ModeError("reflow.sigma", sigma, f"mode {mode} trains every sample once (no replay); set "
                                                f"reflow.sigma = 0, or use mode reflow")

@@ -15,7 +15,10 @@ Groups (GRPO, size n).
     :meth:`Pool.new_group` creates the n samples of one prompt. Finished samples become ``ready``
     together when the group is complete — every member finished or terminal — with advantages
     ``(r_i - mean r) / (std r + eps)`` over the finished members, in completion order
-    (:mod:`reflow_hpc.core.advantages`). Replay samples keep the advantage they got then.
+    (:mod:`reflow_hpc.core.advantages`). Replay samples keep the advantage they got then, unless
+    ``algorithm.replay_advantage = "recompute"`` (:mod:`reflow_hpc.core.replay_advantage`). Then the
+    fresh filter may drop members — they end as ``uninformative`` — and the sample-weight hook sets
+    the kept members' ω (:mod:`reflow_hpc.core.fresh`).
 δ (delta) — staleness bound.
     The staleness of a sample is ``v - min(token versions)``. At every version bump
     (:meth:`Pool.bump`) finished, ready and replay samples with staleness > δ end as
@@ -43,9 +46,11 @@ from typing import Any, Iterable, NamedTuple, Sequence
 from reflow_hpc.core.accounting import Accounting
 from reflow_hpc.core.advantages import group_advantages
 from reflow_hpc.core.filters import ReplayFilter
+from reflow_hpc.core.fresh import GroupGate
+from reflow_hpc.core.replay_advantage import LatestGroups
 from reflow_hpc.core.sample import (ABORTED, EVICTED_STALE, FAILED, FILTERED, FINISHED, GENERATING, LIVE_STATES,
-                                    LOST, PENDING, POOLED, READY, REPLAY, TRAINED, TRAINING, SampleRecord,
-                                    check_finished)
+                                    LOST, PENDING, POOLED, READY, REPLAY, TRAINED, TRAINING, UNINFORMATIVE,
+                                    SampleRecord, check_finished)
 from reflow_hpc.core.samplers import Sampler
 
 _NUMBERS = (float, int)
@@ -79,12 +84,16 @@ class Pool:
     """Live sample records, their states, groups and the δ rule (module docstring).
 
     ``sampler`` mirrors the replay state (told on every entry and exit); ``accounts`` counts every
-    creation, end and training use.
+    creation, end and training use; ``gate`` applies the fresh-sample hooks to completed groups and
+    ``latest`` (None unless replayed advantages are recomputed) keeps each prompt's newest group.
     """
 
     def __init__(self, *, delta: int, sampler: Sampler, accounts: Accounting, adv_eps: float = 1e-6,
-                 adv_std_norm: bool = True, adv_estimator: str = "group_norm"):
+                 adv_std_norm: bool = True, adv_estimator: str = "group_norm", gate: GroupGate | None = None,
+                 latest: LatestGroups | None = None):
         self.delta = delta
+        self.gate = gate if gate is not None else GroupGate()
+        self.latest = latest
         self.adv_eps, self.adv_std_norm, self.adv_estimator = adv_eps, adv_std_norm, adv_estimator
         self.sampler, self.accounts = sampler, accounts
         self._ended = accounts.ended    # the accounting's own counters, bumped at every end
@@ -169,7 +178,7 @@ class Pool:
         group = self.groups[rec.group_id]
         group.outstanding -= 1
         if group.outstanding == 0:
-            self.complete_group(group)
+            self.complete_group(group, out)
         return out
 
     def end_live(self, sample_id: int, allowed: Iterable[str], reason: str, op: str) -> list[Release]:
@@ -282,6 +291,8 @@ class Pool:
         self.version += 1
         out: list[Release] = []
         self.evict_stale(out)
+        if self.latest is not None:
+            self.latest.prune(self.samples.values())
         return out
 
     # -- transitions -----------------------------------------------------------------------------
@@ -305,10 +316,11 @@ class Pool:
             group = self.groups[rec.group_id]
             group.outstanding -= 1
             if group.outstanding == 0:
-                self.complete_group(group)
+                self.complete_group(group, out)
 
-    def complete_group(self, group: OpenGroup) -> None:
-        """Every member finished or ended: finished members become ready with group advantages."""
+    def complete_group(self, group: OpenGroup, out: list[Release]) -> None:
+        """Every member finished or ended: finished members get group advantages, then those the fresh
+        filter keeps become ready and the others end as ``uninformative`` (into ``out``)."""
         del self.groups[group.group_id]
         samples = self.samples
         members = [samples[m] for m in group.members if m in samples and samples[m].state == FINISHED]
@@ -317,9 +329,17 @@ class Pool:
         members.sort(key=_by_finish_seq)
         advantages = group_advantages([m.reward for m in members], eps=self.adv_eps, std_norm=self.adv_std_norm,
                                       estimator=self.adv_estimator)
-        queues = self.ready_by_version
         for rec, adv in zip(members, advantages):
             rec.advantage = adv
+        if self.latest is not None:
+            self.latest.record(group.prompt_id, group.group_id, members)
+        declined = self.gate.admit(members)
+        if declined:
+            for rec in declined:
+                self.end(rec, UNINFORMATIVE, out)
+            members = [rec for rec in members if rec.sample_id in samples]
+        queues = self.ready_by_version
+        for rec in members:
             rec.state = READY
             q = queues.get(rec.min_version)
             if q is None:

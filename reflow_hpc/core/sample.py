@@ -27,7 +27,8 @@ EVICTED_STALE = "evicted_stale"    # staleness > δ
 ABORTED = "aborted"                # cancelled at shutdown, by an abort event, or in flight at a restore
 FAILED = "failed"                  # generation failed or the generating worker was lost
 LOST = "lost"                      # the payload cannot be read back (owner lost, shard damaged)
-TERMINAL_REASONS = (TRAINED, FILTERED, EVICTED_STALE, ABORTED, FAILED, LOST)
+UNINFORMATIVE = "uninformative"    # never trained on: the fresh filter declined it when its group completed
+TERMINAL_REASONS = (TRAINED, FILTERED, EVICTED_STALE, ABORTED, FAILED, LOST, UNINFORMATIVE)   # added at the end
 
 GENERATING = frozenset((PENDING,))                 # no payload yet; held by `worker`
 POOLED = frozenset((FINISHED, READY, REPLAY))       # subject to staleness eviction at a version bump

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.shaping import OverlongShaping
 from ..metrics import StepMetrics
 from .engine import Simulation
 from .workload import build_coordinator, load_mode, placement
@@ -43,7 +44,7 @@ def simulate(path: str | None, mode: str, overrides: list[str] = (), gpus: int |
 
 def summarise(sim: Simulation) -> RunResult:
     cfg, place, c = sim.cfg, sim.place, sim.coordinator.summary()
-    metrics = StepMetrics(c["mode"])
+    metrics = StepMetrics(c["mode"], overlong=OverlongShaping.of(cfg))
     records = [metrics(r) for r in sim.records]
     warm = cfg.sim.warmup_steps
     measured = [r for r in records if r["step"] > warm] or records

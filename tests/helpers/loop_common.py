@@ -14,7 +14,7 @@ from conftest import ROOT, leftover_processes, run_cmd
 from reflow_hpc.metrics import read_jsonl
 
 CFG = str(ROOT / "configs" / "cpu_tiny.toml")
-TERMINAL = ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost")
+TERMINAL = ("trained", "filtered", "evicted_stale", "aborted", "failed", "lost", "uninformative")
 
 
 def run_argv(tmp_path: Path, policy: str, name: str, *sets: str, timeout_s: float = 90) -> list[str]:

@@ -10,6 +10,11 @@ losses, lost workers, checkpoint round trips and restarts, and checks after ever
 - every sample ends at most once, with one reason, and created == live + Σ terminal;
 - outstanding (pending) never exceeds b_max.
 
+The same machine with the fresh-sample hooks on (dynamic sampling's ``informative_groups``, a
+generation cap, ω from a plugin, recomputed replay advantages) checks besides: the unused samples of
+every batch come from groups the filter kept (or let through over the cap), batches stay full, and
+the samples dropped between two batches never exceed ``max_gen_batches · b``.
+
 A seeded random workload (longer runs where batches do mix in replay samples) checks the same
 batch properties; the pure functions get their own properties.
 """
@@ -29,6 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from reflow_hpc.core import (TERMINAL_REASONS, ReplayIndex, loss_weights, make_replay_filter, make_sampler,
                              max_replay_slots, mixing_weight, mixing_weight_bound)
 from reflow_hpc.core.filters import RewardBand
+from reflow_hpc.core.fresh import InformativeGroups, SampleWeight, register_fresh_filter, register_sample_weight
 from reflow_hpc.core.samplers import MediumRewardSampler
 
 REWARDS = st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0])
@@ -74,7 +80,15 @@ class IndexMachine(RuleBasedStateMachine):
         self.names = (sampler, replay_filter)
         self.idx = ReplayIndex(group_size=group_size, batch_size=batch_size, sigma=sigma, tau=tau, delta=delta,
                                b_max=max(group_size, math.ceil(batch_size * b_max_factor)), sampler=fresh_sampler(sampler),
-                               replay_filter=fresh_filter(replay_filter), seed=seed, adv_std_norm=std_norm)
+                               replay_filter=fresh_filter(replay_filter), seed=seed, adv_std_norm=std_norm,
+                               **self.hooks())
+        self.start()
+
+    def hooks(self) -> dict:
+        """Keyword arguments of every index this machine builds besides its parameters."""
+        return {}
+
+    def start(self) -> None:
         self.created: set[int] = set()
         self.ended: dict[int, str] = {}
         self.training: list = []          # batches whose step is not done
@@ -223,7 +237,7 @@ class IndexMachine(RuleBasedStateMachine):
         before = {sid: self.idx.sample(sid) for sid in self.idx.live_ids()}
         v, delta = self.idx.version, self.idx.delta
         state = json.loads(json.dumps(self.idx.state_dict()))
-        self.idx = ReplayIndex(**state["params"], sampler=fresh_sampler(self.names[0]),
+        self.idx = ReplayIndex(**{**state["params"], **self.hooks()}, sampler=fresh_sampler(self.names[0]),
                                replay_filter=fresh_filter(self.names[1]))
         released = {r.sample_id: r.reason for r in self.idx.load_state_dict(state, resume=True)}
         for sid, rec in before.items():
@@ -236,8 +250,11 @@ class IndexMachine(RuleBasedStateMachine):
                     self.ended[sid] = "evicted_stale"
                 else:
                     assert self.idx.sample(sid).state == ("replay" if rec.times_used else "ready")
-            elif rec.state == "finished":      # nothing is in flight any more: every group is complete
+            elif rec.state == "finished" and sid in self.idx:   # nothing is in flight: every group is complete
                 assert self.idx.sample(sid).state == "ready"
+            elif rec.state == "finished":      # a fresh filter declined its completed group
+                assert released[sid] == "uninformative"
+                self.ended[sid] = "uninformative"
             else:
                 assert self.idx.sample(sid).state == rec.state
         assert self.idx.count("finished") == 0
@@ -284,6 +301,79 @@ class ShutdownMachine(IndexMachine):
 ShutdownMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
 test_shutdown_state_machine = ShutdownMachine.TestCase
+
+
+@register_fresh_filter("property_informative")
+class RecordingInformative(InformativeGroups):
+    """informative_groups that remembers its decision for every sample it saw."""
+    kept: dict[int, bool] = {}
+
+    def keep(self, group):
+        decisions = super().keep(group)
+        RecordingInformative.kept.update((s.sample_id, k) for s, k in zip(group, decisions))
+        return decisions
+
+
+@register_sample_weight("property_by_tokens")
+class ByTokens(SampleWeight):
+    def weights(self, group):
+        return [0.5 + (s.loss_tokens % 3) for s in group]
+
+
+class DynamicSamplingMachine(IndexMachine):
+    @initialize(group_size=st.integers(1, 4), batch_size=st.integers(1, 8), sigma=st.sampled_from([0.0, 0.5, 0.25]),
+                tau=TAUS, delta=st.integers(0, 2), b_max_factor=st.sampled_from([0.5, 1, 2, 3]),
+                cap=st.sampled_from([0, 0, 1, 2]), recompute=st.booleans(), seed=st.integers(0, 2**16))
+    def setup(self, group_size, batch_size, sigma, tau, delta, b_max_factor, cap, recompute, seed):
+        self.names = ("random", "accept_all")
+        self.cap, self.recompute = cap, recompute
+        RecordingInformative.kept = {}
+        self.idx = ReplayIndex(group_size=group_size, batch_size=batch_size, sigma=sigma, tau=tau, delta=delta,
+                               b_max=max(group_size, math.ceil(batch_size * b_max_factor)),
+                               sampler=make_sampler("random"), replay_filter=make_replay_filter("accept_all"),
+                               seed=seed, **self.hooks())
+        self.start()
+        self.dropped_since_batch = 0
+
+    def hooks(self) -> dict:
+        return {"fresh_filter": RecordingInformative(), "sample_weight": ByTokens(), "max_gen_batches": self.cap,
+                "replay_advantage": "recompute" if self.recompute else "keep"}
+
+    def record(self, releases) -> None:
+        super().record(releases)
+        self.dropped_since_batch += sum(r.reason == "uninformative" for r in releases)
+
+    @rule()
+    def compose(self):
+        n = len(self.training)
+        super().compose()
+        if len(self.training) == n:
+            return
+        b, idx = self.training[-1], self.idx
+        assert len(b) == idx.batch_size
+        over_cap = idx.gauges()["buffer/groups_over_cap"]
+        for sid, rep, adv in zip(b.sample_ids, b.is_replay, b.advantages):
+            assert math.isfinite(adv)
+            if not rep:
+                assert RecordingInformative.kept[sid] or over_cap > 0, f"uninformative sample {sid} in a batch"
+                assert adv == idx.sample(sid).advantage
+        if self.cap:
+            assert self.dropped_since_batch <= self.cap * idx.batch_size
+        else:
+            assert over_cap == 0
+        event("a batch after dropped groups" if self.dropped_since_batch else "a batch, nothing dropped")
+        self.dropped_since_batch = 0
+
+    @invariant()
+    def dropped_groups_are_counted(self):
+        if hasattr(self, "idx"):
+            g = self.idx.gauges()
+            assert g["buffer/groups_dropped"] + g["buffer/groups_over_cap"] <= g["buffer/groups_completed"]
+
+
+DynamicSamplingMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None,
+                                                    suppress_health_check=[HealthCheck.too_slow])
+test_dynamic_sampling_state_machine = DynamicSamplingMachine.TestCase
 
 
 # ------------------------------------------------------------------------------------------------

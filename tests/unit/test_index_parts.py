@@ -229,7 +229,7 @@ def test_accounting_report_holds_the_identity():
     acc.evicted_unused = 1
     assert acc.report(live(ready=3, replay=1), 4) == {
         "created": 10, "live": 4, "ended": {"trained": 0, "filtered": 0, "evicted_stale": 4, "aborted": 2,
-                                            "failed": 0, "lost": 0},
+                                            "failed": 0, "lost": 0, "uninformative": 0},
         "evicted_unused": 1, "trained": 5, "replayed": 7, "ok": True, "why": ""}
     acc.check(live(ready=3, replay=1), 4)
 
@@ -295,7 +295,8 @@ def test_state_dict_keeps_the_format_and_key_order():
     state = idx.state_dict()
     assert list(state) == ["format", "params", "version", "step", "next_sample_id", "next_group_id", "finish_seq",
                            "created", "terminal", "evicted_unused", "budget", "rng", "samples", "groups",
-                           "ready_order", "replay_order", "sampler", "replay_filter", "trained", "replayed"]
+                           "ready_order", "replay_order", "sampler", "replay_filter", "trained", "replayed",
+                           "fresh", "latest_groups"]
     assert state["format"] == STATE_FORMAT == 1
     with pytest.raises(ValueError, match="replay index state: format 2, expected 1"):
         check_format({**state, "format": 2})
@@ -306,5 +307,6 @@ def test_gauge_names_are_only_ever_added_at_the_end():
              "buffer/trained", "buffer/filtered", "buffer/evicted_stale", "buffer/aborted", "buffer/failed",
              "buffer/lost", "buffer/evicted_unused", "buffer/created", "dispatch/budget", "step", "version")
     assert GAUGE_NAMES[:len(first)] == first
-    assert GAUGE_NAMES[len(first):] == ("buffer/trained_samples", "buffer/replayed_uses")
+    assert GAUGE_NAMES[len(first):] == ("buffer/trained_samples", "buffer/replayed_uses", "buffer/uninformative",
+                                        "buffer/groups_completed", "buffer/groups_dropped", "buffer/groups_over_cap")
 

@@ -296,7 +296,7 @@ def test_sigma_zero_trains_each_sample_once_and_ends_it_as_trained():
         (done(),            ended((0, "trained"), (1, "trained"))),
         (accounting(),      has(ok=True, created=2, live=0, trained=2, replayed=0,
                                 ended={"trained": 2, "filtered": 0, "evicted_stale": 0, "aborted": 0,
-                                       "failed": 0, "lost": 0})),
+                                       "failed": 0, "lost": 0, "uninformative": 0})),
     ], group_size=2, batch_size=2, sigma=0.0)
 
 
@@ -407,7 +407,8 @@ def test_losing_a_worker_fails_its_generation_and_loses_its_payloads_after_the_s
         (states(1, 2, 3),   (READY, "training", "training")),
         (done(),            ended((2, "lost"), (3, "lost"))),
         (accounting(),      has(ok=True, trained=2, ended={"trained": 0, "filtered": 0, "evicted_stale": 0,
-                                                          "aborted": 0, "failed": 1, "lost": 2})),
+                                                          "aborted": 0, "failed": 1, "lost": 2,
+                                                          "uninformative": 0})),
     ], group_size=2, batch_size=2, sigma=0.5)
 
 
@@ -457,7 +458,7 @@ def test_accounting_reports_a_corrupted_count():
                             None),
         (accounting(),      has(ok=False, why="created 2 != live 1 (1 records) + ended 0 "
                                               "{'trained': 0, 'filtered': 0, 'evicted_stale': 0, "
-                                              "'aborted': 0, 'failed': 0, 'lost': 0}")),
+                                              "'aborted': 0, 'failed': 0, 'lost': 0, 'uninformative': 0}")),
         (check_accounting(), contains("accounting: created 2 != live 1")),
     ], group_size=2, batch_size=2)
 
