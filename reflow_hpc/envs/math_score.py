@@ -34,15 +34,12 @@ installed (the ``math`` extra) the first call that needs it raises one line sayi
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import re
-import select
-import subprocess
 import sys
-import threading
-import time
 from fractions import Fraction
+
+from ..sandbox.helper import HelperError, HelperProcess
 
 CALL_TIMEOUT_S = 2.0                 # the bound of one equivalence check
 MEMORY_LIMIT_BYTES = 512 << 20       # RLIMIT_AS of the equivalence process
@@ -164,103 +161,46 @@ def _plain_integer(s: str) -> Fraction | None:
 # --------------------------------------------------------------------------------------------
 
 class EquivalenceProcess:
-    """A math-verify process in a fresh interpreter, each call bounded in time and memory."""
+    """A math-verify process in a fresh interpreter, each call bounded in time and memory: a
+    :class:`~reflow_hpc.sandbox.helper.HelperProcess` (started without a fork, killed and restarted past
+    a call's deadline, replaced when found dead between calls; safe from any thread)."""
 
     def __init__(self, timeout_s: float = CALL_TIMEOUT_S, memory_bytes: int = MEMORY_LIMIT_BYTES,
                  start_timeout_s: float = START_TIMEOUT_S):
-        self.timeout_s, self.memory_bytes, self.start_timeout_s = timeout_s, memory_bytes, start_timeout_s
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._owner = 0          # pid that started _proc: a forked copy of this object starts its own
-        self._buf = b""
-        self.info: dict = {}     # the process's ready line: pid, whether it loaded reflow_hpc, its limit
-        self.restarts = 0        # processes killed on a deadline or lost to memory
+        self.timeout_s = timeout_s
+        # A call whose process died under it is made once more: the input is ours, and a process found
+        # dead between calls (killed, or exited after running out of memory) says nothing about it.
+        self._helper = HelperProcess([sys.executable, "-P", WORKER, str(memory_bytes)], name="math_reward",
+                                     start_timeout_s=start_timeout_s, respawn="eager", retry_lost_call=True)
 
-    def _spawn(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-P", WORKER, str(self.memory_bytes)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      close_fds=True)
-        self._owner, self._buf, self.info = os.getpid(), b"", {}
+    @property
+    def info(self) -> dict:
+        """The process's ready line: pid, whether it loaded reflow_hpc, its memory limit."""
+        return self._helper.info
 
-    def _kill(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and self._owner == os.getpid():
-            proc.kill()
-            proc.wait()
-            for f in (proc.stdin, proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
-
-    def _read_line(self, deadline: float) -> dict | None:
-        """The next JSON line of the process, or None at the deadline; EOFError when it ended."""
-        assert self._proc is not None and self._proc.stdout is not None
-        fd = self._proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise EOFError
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def _ready(self) -> None:
-        """Start the process if there is none and wait for its ready line."""
-        if self._proc is None or self._owner != os.getpid() or self._proc.poll() is not None:
-            self._kill()   # reaps a dead one; a copy inherited across a fork is left to its owner
-            self._spawn()
-        if self.info:
-            return
-        try:
-            msg = self._read_line(time.monotonic() + self.start_timeout_s)
-        except EOFError:
-            msg = {"error": "it exited at start"}
-        if msg is None or "error" in msg:
-            self._kill()
-            why = msg["error"] if msg else f"no ready line within {self.start_timeout_s:g} s"
-            raise RuntimeError(f"math_reward: the math-verify process did not start: {why}")
-        self.info = msg
+    @property
+    def restarts(self) -> int:
+        """Processes killed on a deadline or lost during a call."""
+        return self._helper.restarts
 
     def start(self) -> dict:
         """Start the process now (it is otherwise started by the first call that needs it)."""
-        with self._lock:
-            self._ready()
-            return dict(self.info)
+        try:
+            return self._helper.start()
+        except HelperError as e:
+            raise RuntimeError(f"math_reward: the math-verify process did not start: {e}") from None
 
     def equal(self, answer: str, reference: str) -> bool:
-        with self._lock:
-            for attempt in (0, 1):   # one retry when the process was found dead between calls
-                self._ready()
-                assert self._proc is not None and self._proc.stdin is not None
-                try:
-                    self._proc.stdin.write(json.dumps([answer, reference]).encode() + b"\n")
-                    self._proc.stdin.flush()
-                except (BrokenPipeError, OSError):
-                    self._kill()
-                    continue
-                try:
-                    msg = self._read_line(time.monotonic() + self.timeout_s)
-                except EOFError:   # it had died before the call, or the input crashed it: one more try
-                    self._kill()
-                    if attempt == 0:
-                        continue
-                    msg = None
-                if msg is None or msg.get("exit"):
-                    # past the deadline, out of memory or dead: a fresh process starts loading now
-                    self.restarts += 1
-                    self._kill()
-                    self._spawn()
-                    return False
-                return bool(msg.get("ok"))
-            return False
+        try:
+            reply = self._helper.call([answer, reference], self.timeout_s)
+        except HelperError as e:
+            raise RuntimeError(f"math_reward: the math-verify process did not start: {e}") from None
+        # None: past the deadline or lost (a fresh process is loading already); "exit": out of memory,
+        # the process ends after this reply and the next call finds it gone.
+        return bool(reply is not None and reply.get("ok"))
 
     def close(self) -> None:
-        with self._lock:
-            self._kill()
+        self._helper.close()
 
 
 _PROCESS = EquivalenceProcess()

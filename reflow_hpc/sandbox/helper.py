@@ -1,7 +1,7 @@
 """A bounded helper process: a fresh interpreter spoken to in JSON lines, each call bounded from outside.
 
 Shared by every helper that must not run inside an MPI rank: the sandbox's fork servers, and any other
-bounded helper (the math scorer's equivalence process follows the same rules). The rules:
+bounded helper (the math scorer's equivalence process is one). The rules:
 
 - it is started with a plain ``subprocess.Popen(..., close_fds=True)``: no ``preexec_fn``, ``user``,
   ``group`` or ``extra_groups``, which make CPython ``fork()`` the rank (an MPI rank must not fork);
