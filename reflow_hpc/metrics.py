@@ -18,6 +18,9 @@ Per-step names written by the coordinator (docs/api.md is the reference; every r
 | ``staleness/mean``, ``staleness/max`` | current version − oldest token version, over the batch |
 | ``reward/mean`` | mean reward of the batch's unused (fresh) samples |
 | ``reward/replay_mean`` | mean reward of its replayed samples |
+| ``reward/task_mean`` | mean task reward of the batch's unused samples: ``reward/mean`` without the overlong shaping (``algorithm.overlong_buffer``; equal to it when off) |
+| ``dynamic_sampling/dropped_fraction`` | of the groups completed during the step, the fraction the fresh filter dropped (dynamic sampling: all rewards equal) |
+| ``dynamic_sampling/over_cap`` | groups completed during the step that the fresh filter declined but that went through, the step's generation being over ``algorithm.max_gen_batches`` |
 | ``response_length/mean`` | mean generated response tokens of the batch's samples (tool observations excluded) |
 | ``sync_seconds`` | duration of the most recent weight sync (its slowest member) |
 | ``partial_rollouts`` | in-flight samples held at a sync and resumed under the new weights, so far |
@@ -29,6 +32,10 @@ Per-step names written by the coordinator (docs/api.md is the reference; every r
 | ``dispatch/budget`` | samples the ``b_max`` window still allows to dispatch in this step |
 | ``trainer/*`` | loss, pg_loss, kl, entropy, clip_fraction, grad_norm, lr, ... (replica mean; ``*max`` the largest, ``*_min`` the smallest) |
 | ``trainer/token_staleness_min``, ``trainer/token_staleness_max`` | over every token trained in the step: trainer version − the version that generated it (checked against the mode's guarantee by the trainer) |
+| ``rollout/tool_calls``, ``rollout/tool_errors``, ``rollout/tool_timeouts`` | tool calls the rollout workers ran so far, those that failed (the observation is an error), and those stopped at ``task.turn_timeout_s`` |
+| ``rollout/tool_seconds_p50``, ``rollout/tool_seconds_p99`` | latency of a tool call on the executor (start to result), over each worker's last 256 calls |
+| ``rollout/tool_wait_fraction`` | of the time samples were in flight on a rollout worker, the fraction they waited for a tool's observation, so far |
+| ``rollout/turns_per_sample`` | model turns per finished sample, so far |
 | ``rollout/concurrency_cap/<rank>`` | the concurrency cap in force on each rollout worker (the adaptive scheduler's) |
 | ``role/<rank>``, ``pool/trainers``, ``pool/rollouts`` | every rank's role during the step, and the pool sizes |
 | ``role_switch_seconds/to_trainer``, ``role_switch_seconds/to_rollout`` | the slowest worker's switch, each direction, in the step a switch completed |
@@ -57,7 +64,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from .private import open_append, open_new, private_dir
 
@@ -68,8 +75,10 @@ if TYPE_CHECKING:
 class StepMetrics:
     """The per-step metrics of the table above, from the coordinator's step records."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, overlong: Callable[[int], float] | None = None):
         self.mode = mode
+        self.overlong = overlong        # R_length of a response of n tokens, when rewards are shaped
+        self._groups = (0, 0, 0)        # the index's group counters at the previous step
 
     def __call__(self, rec: "StepRecord") -> dict[str, Any]:
         batch, reports = rec.batch, rec.replicas
@@ -93,6 +102,7 @@ class StepMetrics:
             "partial_rollouts": rec.partial_rollouts,
             "rollout/generated_tokens_per_s": rec.generated_tokens / step_time,
         }
+        record.update(self._fresh(rec, fresh))
         for w, cap in sorted(rec.concurrency_caps.items()):
             record[f"rollout/concurrency_cap/{w}"] = cap
         for reason, n in sorted(rec.finish_reasons.items()):
@@ -113,6 +123,20 @@ class StepMetrics:
             vals = [float(rep.stats[k]) for rep in reports if k in rep.stats]
             record[f"trainer/{k}"] = max(vals) if k.endswith("max") else min(vals) if k.endswith("_min") else _mean(vals)
         return record
+
+    def _fresh(self, rec: "StepRecord", fresh: list[float]) -> dict[str, Any]:
+        """The task reward of the fresh samples and the fresh filter's share of the step's groups."""
+        batch, pen = rec.batch, self.overlong
+        task = fresh if pen is None else [r - pen(n) for r, n, rep in zip(batch.rewards, batch.loss_tokens,
+                                                                        batch.is_replay) if not rep]
+        g = rec.gauges
+        now = (g.get("buffer/groups_completed", 0), g.get("buffer/groups_dropped", 0),
+               g.get("buffer/groups_over_cap", 0))
+        completed, dropped, over = (a - b for a, b in zip(now, self._groups))
+        self._groups = now
+        return {"reward/task_mean": _mean(task),
+                "dynamic_sampling/dropped_fraction": dropped / completed if completed > 0 else 0.0,
+                "dynamic_sampling/over_cap": over}
 
 
 def _mean(xs: Any) -> float:

@@ -20,8 +20,9 @@ validation reads) and may check the keys it reads in a classmethod ``check(cfg)`
 time. ``config.validate`` calls it for each module of ``run.plugins`` before it checks the
 registered names, so every entry point that loads a config (``python -m reflow_hpc.config``,
 ``run``, ``submit``, the simulator, the warm start) imports the same plugins and applies the same
-rules. A plugin registers with ``@register_sampler`` / ``@register_replay_filter`` (``core``) or
-``@register_task`` (``envs``); a task of its own may check the keys it reads in a classmethod
+rules. A plugin registers with ``@register_sampler`` / ``@register_replay_filter`` (``core``),
+``@register_task`` or ``@register_tool`` (``envs``; a tool the model calls by name, listed in
+``task.tools``); a task of its own may check the keys it reads in a classmethod
 ``check(cfg, *, files)`` (``envs.Task.check``), which validation calls when the config selects it.
 """
 
@@ -32,6 +33,7 @@ from typing import Callable
 
 _TASKS: dict[str, type] = {}
 _OBJECTIVES: dict[str, type] = {}
+_TOOLS: dict[str, type] = {}
 
 
 def _registrar(table: dict[str, type], kind: str, name: str) -> Callable[[type], type]:
@@ -73,6 +75,22 @@ def objective_class(name: str) -> type | None:
 def objective_names() -> list[str]:
     """Names of the objectives plugins registered."""
     return sorted(_OBJECTIVES)
+
+
+def register_tool(name: str) -> Callable[[type], type]:
+    """Class decorator: make a ``reflow_hpc.envs.tools.Tool`` subclass callable by the model as ``name``
+    (listed in ``task.tools``)."""
+    return _registrar(_TOOLS, "tool", name)
+
+
+def tool_class(name: str) -> type | None:
+    """The tool class registered as ``name``, or None."""
+    return _TOOLS.get(name)
+
+
+def tool_names() -> list[str]:
+    """Names of the registered tool classes."""
+    return sorted(_TOOLS)
 
 
 def import_plugin(module: str) -> None:

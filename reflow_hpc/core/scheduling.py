@@ -33,7 +33,8 @@ Fast dispatcher (every dispatch)
     outstanding, then the lowest rank), which balances load. A worker also never holds more than
     ``cap_i + queue`` samples (the engine's running slots plus a queue that keeps it busy between
     dispatches). Both rules bind only once a worker holds work: an idle worker always takes a group,
-    or a group larger than a cap or a budget could never run.
+    or a group larger than a cap or a budget could never run. Samples a worker reported waiting for a
+    tool call or a reward hold no engine slot and no KV cache, so neither rule counts them.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class EngineLoad:
     preemptions: int                 # cumulative
     running: int
     queued: int
+    waiting: int = 0                 # samples waiting for a tool call or a reward, outside the engine
 
 
 class GenerationScheduler:
@@ -79,6 +81,7 @@ class GenerationScheduler:
         self.budget = {w: kv_budget for w in workers}
         self.util = {w: 0.0 for w in workers}
         self.preempt_rate = {w: 0.0 for w in workers}
+        self.waiting = {w: 0 for w in workers}     # samples outside the engine, as last reported
         self._last_preemptions = {w: 0 for w in workers}
         self._last_control: dict[int, float | None] = {w: None for w in workers}
         self.predicted_tokens = float(settings.initial_tokens)
@@ -91,11 +94,13 @@ class GenerationScheduler:
         self.budget.setdefault(w, next(iter(self.budget.values()), 0))
         self.util.setdefault(w, 0.0)
         self.preempt_rate.setdefault(w, 0.0)
+        self.waiting.setdefault(w, 0)
         self._last_preemptions.setdefault(w, 0)
         self._last_control.setdefault(w, None)
 
     def remove_worker(self, w: int) -> None:
-        for d in (self.caps, self.budget, self.util, self.preempt_rate, self._last_preemptions, self._last_control):
+        for d in (self.caps, self.budget, self.util, self.preempt_rate, self.waiting, self._last_preemptions,
+                  self._last_control):
             d.pop(w, None)
 
     def observe(self, w: int, load: EngineLoad, now: float) -> bool:
@@ -104,6 +109,7 @@ class GenerationScheduler:
             return False
         if load.kv_tokens_budget > 0:
             self.budget[w] = load.kv_tokens_budget
+        self.waiting[w] = load.waiting
         last = self._last_control[w]
         if last is not None and now - last < self.s.control_interval_s:
             return False
@@ -149,8 +155,9 @@ class GenerationScheduler:
         need = group_size * tokens
         gate = self.s.rho if self.s.adaptive else math.inf
         best, best_key = None, None
+        waiting = self.waiting
         for w in outstanding if workers is None else workers:
-            n = outstanding[w]
+            n = max(0, outstanding[w] - waiting.get(w, 0))
             # An idle worker always takes a group: no cap or budget may leave the pool with nothing to do.
             if n and n + group_size > caps.get(w, cap_max) + room:
                 continue

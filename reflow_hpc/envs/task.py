@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ..config import ConfigError
 from ..plugins import register_task as register_task, task_class, task_names
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from ..config import Config
 
 SPLITS = ("train", "eval")
+RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"   # around a tool's output, plain rendering
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,10 @@ class Observation:
     text: str = ""            # to append to the response (not generated: version -1, no loss)
     done: bool = True
     finish_reason: str = ""   # when done: stop (the model ended) | turns (turn limit reached)
+    tool: str = ""            # text is this tool's output: rendered as a tool message (envs/tools.py)
+    error: str = ""           # the tool call failed (text says so too): counted as a tool error
+    token_ids: tuple[int, ...] | None = None   # set by the renderer: the ids to insert
+    truncated: bool = False   # the renderer cut the output to task.max_obs_tokens
 
 
 class Task:
@@ -168,12 +173,17 @@ class Episode:
         self.parts: list[tuple[str, bool]] = []   # (text, generated) in order
         self.finish_reason = ""
 
-    def step(self, turn_text: str) -> Observation:
+    def step(self, turn_text: str, render: Callable[[Observation], Observation] | None = None) -> Observation:
+        """One model turn in, the observation out; ``render`` (the runner's
+        :class:`~reflow_hpc.envs.tools.ObservationRenderer`) wraps and caps a tool's output, and the
+        response text gets what it returns."""
         if self.finish_reason:
             raise RuntimeError(f"prompt {self.prompt.prompt_id}: episode already ended ({self.finish_reason})")
         self.turns += 1
         self.parts.append((turn_text, True))
         obs = self.task.observe(self, turn_text)
+        if obs.tool and not obs.done:
+            obs = render(obs) if render is not None else plain_render(obs)
         if obs.text:
             self.parts.append((obs.text, False))
         if obs.done:
@@ -199,6 +209,12 @@ class Episode:
 # --------------------------------------------------------------------------------------------
 # Registry: the table is reflow_hpc.plugins' (register_task is re-exported from there)
 # --------------------------------------------------------------------------------------------
+
+
+def plain_render(obs: Observation) -> Observation:
+    """A tool's output as ``<tool_response>OUTPUT</tool_response>``, uncapped: the rendering of a driver
+    without a tokenizer at hand (a runner renders with envs/tools.py's ObservationRenderer)."""
+    return Observation(f"{RESULT_OPEN}{obs.text}{RESULT_CLOSE}", obs.done, obs.finish_reason, obs.tool, obs.error)
 
 
 def make_task(cfg: "Config") -> Task:

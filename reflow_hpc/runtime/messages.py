@@ -104,6 +104,7 @@ class EngineReport:
     preemptions: int                # cumulative
     running: int
     queued: int
+    waiting: int = 0                # samples waiting for a tool call or a reward (outside the engine)
 
 
 @dataclass
@@ -170,9 +171,11 @@ class Switched:
 class Heartbeat:
     """Either direction: I am alive (the service thread sends it while the main thread works). A rollout
     worker's carries its cumulative idle time, generated tokens and engine load; a worker on a GPU with
-    NVML its GPU's latest reading (:mod:`reflow_hpc.runtime.telemetry`)."""
+    NVML its GPU's latest reading (:mod:`reflow_hpc.runtime.telemetry`); a worker that ran tool calls or
+    rewards its executor's counts (:meth:`reflow_hpc.rollout.tool_executor.ToolStats.snapshot`)."""
     rank: int
     idle_s: float = 0.0
     generated_tokens: int = 0
     load: EngineReport | None = None
     gpu: dict | None = None
+    tools: dict | None = None

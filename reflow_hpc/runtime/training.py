@@ -30,6 +30,7 @@ from ..core.scheduling import EngineLoad
 from ..metrics import MetricsSink, StepMetrics
 from ..private import private_dir, write_atomic
 from .eventlog import EventWriter
+from ..rollout.tool_executor import step_metrics as tool_step_metrics
 from .telemetry import step_metrics as gpu_step_metrics
 from .messages import (CheckpointWritten, EngineReport, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished,
                        TrajectoriesFlushed, StepDone, Switched, WeightsLoaded)
@@ -55,11 +56,26 @@ def pools(cfg: Config) -> tuple[list[int], list[int]]:
     return list(range(n_t)), list(range(n_t, w, tp))
 
 
+def prompt_key(cfg: Config) -> Callable[[int], int] | None:
+    """What identifies a prompt across epochs for ``algorithm.replay_advantage = "recompute"``: the task's
+    prompt id (a file task's data row) of the dispatch index the coordinator numbers groups by. None —
+    the dispatch index itself — when advantages are kept or the task draws a new prompt for every index."""
+    if cfg.algorithm.replay_advantage != "recompute":
+        return None
+    from ..envs import make_task
+
+    task = make_task(cfg)
+    if task.size("train") is None:
+        return None
+    return lambda index: task.prompt(index, "train").prompt_id
+
+
 def build_coordinator(cfg: Config, resume_from: Path | None = None) -> Coordinator:
     """The coordinator a config describes, restored from ``resume_from`` (a checkpoint directory) if given."""
     trainers, rollouts = pools(cfg)
     coordinator = new_coordinator(cfg, coordinator_settings(cfg), trainers=trainers, rollouts=rollouts,
-                                  world=cfg.resources.workers, resume_from=str(resume_from) if resume_from else None)
+                                  world=cfg.resources.workers, resume_from=str(resume_from) if resume_from else None,
+                                  prompt_key=prompt_key(cfg))
     if resume_from is not None:
         coordinator.load_state_dict(json.loads((resume_from / "extra" / "coordinator.json").read_text()))
     return coordinator
@@ -70,13 +86,15 @@ class TrainingSide:
 
     def __init__(self, cfg: Config):
         from ..train.checkpoint import latest_checkpoint
+        from ..core.shaping import OverlongShaping
         self.cfg = cfg
         self.resume_from = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
         self.coordinator = build_coordinator(cfg, self.resume_from)
         self.metrics = MetricsSink(cfg.run_dir, tensorboard=cfg.metrics.tensorboard,
                                    append=self.resume_from is not None)
-        self.step_metrics = StepMetrics(cfg.reflow.mode)
+        self.step_metrics = StepMetrics(cfg.reflow.mode, overlong=OverlongShaping.of(cfg))
         self.gpu: dict[int, dict] = {}          # rank -> its GPU's latest telemetry (heartbeats)
+        self.tools: dict[int, dict] = {}        # rank -> its tool executor's latest counts (heartbeats)
         # The event log: every index event, appended as JSON lines by a thread of its own (schema:
         # docs/storage.md). A write that fails or hangs ends the run through the coordinator's failure
         # path (EventLogError from put/flush/close); a rerun resumes from the newest checkpoint.
@@ -161,6 +179,8 @@ class TrainingSide:
     def _heartbeat(self, source: int, msg: Heartbeat, now: float) -> ev.Heartbeat:
         if msg.gpu:
             self.gpu[source] = msg.gpu
+        if msg.tools:
+            self.tools[source] = msg.tools
         return ev.Heartbeat(source, now, msg.idle_s, msg.generated_tokens, _load(msg.load))
 
     def _ready(self, source: int, msg: Ready, now: float) -> ev.Ready:
@@ -183,6 +203,7 @@ class TrainingSide:
         for rec in out.steps:
             record = self.step_metrics(rec)
             record.update(gpu_step_metrics(self.gpu))
+            record.update(tool_step_metrics(self.tools))
             self.metrics.write(record)
             self.metrics.progress(record)
             for sw in rec.switches:
@@ -218,4 +239,5 @@ class TrainingSide:
 def _load(load: EngineReport | None) -> EngineLoad | None:
     if load is None:
         return None
-    return EngineLoad(load.kv_tokens_used, load.kv_tokens_budget, load.preemptions, load.running, load.queued)
+    return EngineLoad(load.kv_tokens_used, load.kv_tokens_budget, load.preemptions, load.running, load.queued,
+                      load.waiting)

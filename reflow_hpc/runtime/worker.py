@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..comm.mpi import RankTimeout, wait_until
-from ..config import to_dict
+from ..config import fresh_filter, to_dict
 from ..core.commands import (Cancel, Dispatch, Drop, FlushTrajectories, Resume, SetCap, Setup, Snapshot, Switch,
                              SyncWeights, Train, WriteCheckpoint)
 from ..core.modes import rules
@@ -108,7 +108,7 @@ class Worker:
         self.trainer: Any = None
         self.tokenizer: Any = None
         self.colocated = False
-        self.rules = rules(self.cfg.reflow.mode)
+        self.rules = rules(self.cfg.reflow.mode, refills=fresh_filter(self.cfg) != "accept_all")
         self.trainers: tuple[int, ...] = ()
         self.rollouts: tuple[int, ...] = ()
         self.replica_size = self.cfg.resources.trainer_shard_size   # s_T: workers per trainer replica
@@ -213,6 +213,7 @@ class Worker:
 
     def _build_rollout(self, model: Any, msg: Setup) -> tuple[list[dict], list[int]]:
         from ..envs import make_task
+        from ..core.shaping import OverlongShaping
         from ..rollout.episodes import EpisodeRunner
         from ..rollout.factory import build_engine, sampling_params
         from ..storage.fetch import FetchServer
@@ -233,7 +234,7 @@ class Worker:
                                              own_weights=lambda: self.trainer.named_weights())
         task = make_task(cfg)
         self.runner = EpisodeRunner(self.engine, task, self.tokenizer, sampling_params(cfg.rollout), owner=self.rank,
-                                    chat_template=cfg.task.chat_template)
+                                    chat_template=cfg.task.chat_template, shaping=OverlongShaping.of(cfg))
         trajectory_dir = Path(self.rt.topology.scratch) / "shards"
         existing = trajectory_dir.is_dir() and any(trajectory_dir.iterdir())
         collected = cfg.run_dir / "shards" / f"rank{self.rank:05d}"
@@ -271,7 +272,7 @@ class Worker:
         from .telemetry import GpuTelemetry
         gpu = GpuTelemetry.open(self.device, self.rank)
         svc.heartbeat = lambda: self.rt.send(Heartbeat(self.rank, self.idle_s, self._generated_tokens(), self._load(),
-                                                       gpu.read() if gpu is not None else None))
+                                                       gpu.read() if gpu is not None else None, self._tool_stats()))
         svc.heartbeat_s = self.cfg.run.heartbeat_s
         setup = self._wait(lambda m: isinstance(m, Setup), "waiting for setup")
         self.setup(setup)
@@ -358,7 +359,13 @@ class Worker:
         if self.engine is None or self.rank not in self.rollouts:
             return None
         st = self.engine.stats()
-        return EngineReport(st.kv_tokens_used, st.kv_tokens_budget, st.preemptions, st.running, st.queued)
+        waiting = self.runner.waiting() if self.runner is not None else 0
+        return EngineReport(st.kv_tokens_used, st.kv_tokens_budget, st.preemptions, st.running, st.queued, waiting)
+
+    def _tool_stats(self) -> dict | None:
+        """The executor's counts for the heartbeat (read on the service thread: plain numbers, copied)."""
+        st = self.runner.tool_stats if self.runner is not None and self.follower is None else None
+        return None if st is None or not (st.samples or st.calls) else st.snapshot()
 
     def _location(self, sample_id: int) -> list[int] | None:
         where = self.store.location(sample_id)
@@ -539,6 +546,7 @@ class Worker:
         link = self.follower
         if self.runner is not None and link is None:
             self.runner.abandon()
+            self.runner.close()
             if self._leads():
                 self.engine.stop()                  # its followers leave after its last calls
         if link is not None:

@@ -23,6 +23,14 @@ Engines (processor sharing: no event per token)
     events: the next request ends a turn (its sample ends, or a tool call starts), or the KV cache is
     full — then the newest request is preempted (vLLM's recompute preemption) and re-prefills its
     context when admitted again. Admitting requests stalls decoding for their prefill time.
+Tool calls (as ``rollout/episodes.py``)
+    A request whose turn ends in a tool call leaves its engine (it holds no slot of the concurrency
+    cap) while the call runs on its worker's executor: at most ``task.tool_concurrency`` calls run at
+    once, the others wait in arrival order; a call occupies its slot until it returns, even when its
+    sample was handed over or cancelled meanwhile. The engine decodes the others all along. When the
+    call returns, the request queues again with the observation's tokens to prefill. A request handed
+    over while its call runs or waits has the call run again, from the start, by the worker that
+    resumes it. Rewards take no simulated time.
 Versions and partial rollouts
     An engine generates with the version of the last sync it completed. At a split-pool ``SyncWeights`` the
     in-flight requests are held (their tokens so far belong to the old version), the weights load, and
@@ -61,6 +69,7 @@ from ..core.coordinator import Coordinator, Settings
 from ..core.modes import ModeRules
 from ..core.phase import Phase
 from ..core.scheduling import EngineLoad
+from ..core.shaping import OverlongShaping
 from .costs import Costs, decode_steps, decode_time
 from .lengths import LengthModel, SampleShape
 from .workload import Placement
@@ -171,6 +180,10 @@ class SimWorker:
         self._a0, self._a1, self._c0, self._c1 = sim.costs.decode_coefficients(place.tp, place.engines)
         self.cap = sim.settings.cap_max
         self.preemptions = 0
+        # The worker's tool executor: calls running (their slots) and calls waiting for a slot.
+        self.tool_slots = sim.cfg.task.tool_concurrency
+        self.tool_busy = 0
+        self.tool_wait: deque[Request] = deque()
         # Clocks and counters.
         self.idle_s = 0.0
         self.idle_since: float | None = None
@@ -290,8 +303,8 @@ class SimWorker:
     def enqueue(self, r: Request, now: float) -> None:
         """``r`` arrives at this engine (dispatch, resume, a returning tool call)."""
         self.live[r.sid] = r
-        if r.state == TOOL:                       # handed over while its tool call ran: it returns here
-            self.sim.push(max(now, r.tool_at), _TOOL, self.wid, r)
+        if r.state == TOOL:                       # handed over while its tool call ran: run it again here
+            self.start_tool(r, now)
             return
         r.state = QUEUED
         self.queue.append(r)
@@ -325,8 +338,7 @@ class SimWorker:
                 r.state = TOOL
                 r.turn += 1
                 r.turn_end += r.turns[r.turn]
-                r.tool_at = now + sim.costs.tool_latency(sim.rng)
-                sim.push(r.tool_at, _TOOL, self.wid, r)
+                self.start_tool(r, now)
             else:
                 r.state = DONE
                 del self.live[r.sid]
@@ -344,9 +356,24 @@ class SimWorker:
         if done:                                      # reported once the engine is consistent again
             sim.finished(self, done, now)
 
+    def start_tool(self, r: Request, now: float) -> None:
+        """Run ``r``'s tool call on this worker's executor, or queue it behind the calls running."""
+        if self.tool_busy < self.tool_slots:
+            self.tool_busy += 1
+            r.tool_at = now + self.sim.costs.tool_latency(self.sim.rng)
+            self.sim.push(r.tool_at, _TOOL, self.wid, r)
+        else:
+            r.tool_at = math.inf
+            self.tool_wait.append(r)
+
     def on_tool_return(self, r: Request, now: float) -> None:
-        if r.state != TOOL or self.live.get(r.sid) is not r:
-            return                                    # cancelled or handed over meanwhile
+        self.tool_busy -= 1                           # a call started here ended: its slot is free
+        while self.tool_wait and self.tool_busy < self.tool_slots:
+            q = self.tool_wait.popleft()
+            if q.state == TOOL and self.live.get(q.sid) is q:
+                self.start_tool(q, now)
+        if r.state != TOOL or self.live.get(r.sid) is not r or r.tool_at != now:
+            return                                    # cancelled or handed over meanwhile (a stale call)
         self.advance(now)
         r.obs += self.sim.costs.tool_observation_tokens
         r.state = QUEUED
@@ -360,6 +387,7 @@ class SimWorker:
         for r in list(self.admitted.values()):
             self.stop_running(r)
         self.queue.clear()
+        self.tool_wait.clear()                    # calls not started go with their samples (run again there)
         ids = []
         for sid, r in self.live.items():
             if r.state != TOOL:
@@ -399,7 +427,9 @@ class SimWorker:
         return self.idle_s + (now - self.idle_since if self.idle_since is not None else 0.0)
 
     def load(self) -> EngineLoad:
-        return EngineLoad(int(self.kv_used()), int(self.kv_capacity), self.preemptions, self.n, len(self.queue))
+        waiting = sum(1 for r in self.live.values() if r.state == TOOL)      # as the runtime reports them
+        return EngineLoad(int(self.kv_used()), int(self.kv_capacity), self.preemptions, self.n, len(self.queue),
+                          waiting)
 
     # ------------------------------------------------------------------------------------------
     # Blocking commands
@@ -445,6 +475,7 @@ class Simulation:
         self.phase = Phase.NEW                         # the coordinator's, after the last event it handled
         self.costs = costs or Costs.from_config(cfg)
         self.lengths = lengths or LengthModel.from_config(cfg)
+        self.shaping = OverlongShaping.of(cfg)          # DAPO's overlong reward shaping, None when off
         self.rng = random.Random(cfg.run.seed * 7 + 1)
         self.on_command, self.on_train, self.on_finished = on_command, on_train, on_finished
         self.timeline: list[Activity] | None = [] if timeline else None
@@ -675,6 +706,7 @@ class Simulation:
     def finished(self, w: SimWorker, done: list[Request], now: float) -> None:
         """Samples ended on ``w``: report them as ``runtime/worker.py`` does (one message)."""
         cap = self.max_new_tokens
+        shaping = self.shaping
         if self.on_finished is not None:
             self.on_finished(w.wid, done, now)
         samples = []
@@ -693,7 +725,9 @@ class Simulation:
             r.total = r.context()
             self.samples[r.sid] = r
             # A plain tuple of ev.FinishedSample's fields (core/events.py): cheaper to make than the named tuple.
-            samples.append((r.sid, r.reward, lo, hi, r.generated, "length" if r.generated >= cap else "stop", None, r.total))
+            reward = r.reward if shaping is None else r.reward + shaping(r.generated)
+            samples.append((r.sid, reward, lo, hi, r.generated, "length" if r.generated >= cap else "stop", None,
+                            r.total))
         wid, idle, generated = w.wid, w.idle_now(now), int(w.generated_tokens)
         load = self.load_report(w, now) if w.is_rollout else None
 

@@ -91,7 +91,7 @@ def test_partial_rollout_continues_under_new_weights():
     for _ in range(3):
         runner.step()
     held = runner.interrupt()
-    assert held > 0 and not runner.has_work()
+    assert held > 0 and not runner.engine.has_unfinished()   # rewards may still be on the executor
     new_state = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
     engine.load_weights(new_state, 1)
     runner.resume()

@@ -525,7 +525,8 @@ def test_config_allowed_values(page, live):
 # Metrics
 # ------------------------------------------------------------------------------------------------
 
-STEP_TABLES = ("Step records", "Replay-buffer gauges", "Trainer statistics", "GPU telemetry", "Evaluation records")
+STEP_TABLES = ("Step records", "Replay-buffer gauges", "Trainer statistics", "GPU telemetry", "Tool calls",
+               "Evaluation records")
 
 
 def test_metric_names(page, live, src):

@@ -227,6 +227,17 @@ def test_dispatch_respects_cap_plus_queue():
     assert s.choose({1: 4}, 2) == 1 and s.choose({1: 5}, 2) is None
 
 
+def test_samples_waiting_for_a_tool_hold_no_slot():
+    """A worker whose samples wait for tool calls runs none of them: they do not count against its cap."""
+    s = sched(queue=2, adaptive=False)            # the cap stays 4 whatever the reports say
+    s.caps[1] = 4
+    assert s.choose({1: 5}, 2) is None
+    s.observe(1, EngineLoad(0, 1000, 0, running=1, queued=0, waiting=4), now=0.0)
+    assert s.waiting[1] == 4 and s.choose({1: 5}, 2) == 1          # 1 in the engine
+    s.observe(1, EngineLoad(0, 1000, 0, running=5, queued=0, waiting=0), now=0.1)   # they came back
+    assert s.choose({1: 5}, 2) is None
+
+
 def test_length_prediction_follows_finished_samples():
     s = sched(ema_alpha=0.5, initial_tokens=10.0)
     for _ in range(20):
