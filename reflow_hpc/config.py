@@ -179,6 +179,7 @@ class DataConfig:
 # The tasks of reflow_hpc.envs. Their keys are [task]'s and their rules are this module's, so these
 # names are valid without importing envs; a plugin's task is valid once registered (reflow_hpc.plugins).
 BUILTIN_TASKS = ("arithmetic", "math_boxed", "calculator_tool")
+BUILTIN_TOOLS = ("calculator", "python")   # reflow_hpc/envs/tools.py; plugins add more
 # Those of them that read their prompts from data.path (checked with the files).
 DATA_TASKS = ("math_boxed",)
 
@@ -213,6 +214,14 @@ class TaskConfig:
     tool_max_depth: int = opt(16, "calculator_tool: deepest nesting of an expression.", ge=1)
     tool_max_exponent: int = opt(64, "calculator_tool: largest |exponent| of **.", ge=0)
     tool_max_digits: int = opt(40, "calculator_tool: most digits of any intermediate result.", ge=1)
+    tools: str = opt("calculator", "Multi-turn tasks: comma-separated tools the model may call by name in a "
+                                   "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (registered "
+                                   "names; built in: " + ", ".join(BUILTIN_TOOLS) + "). A call body that is "
+                                   "not JSON goes to the first tool.")
+    tool_concurrency: int = opt(8, "Tool calls and rewards each rollout worker runs at once on its executor "
+                                   "threads, off the engine loop; more wait in arrival order.", ge=1)
+    max_obs_tokens: int = opt(512, "Most tokens of one tool output inserted into a response; a longer one is cut "
+                                   "and ends with a truncation marker.", ge=16)
 
 
 # Objectives built into reflow_hpc/train/objectives/ (their loss code) with what validation and the
@@ -226,6 +235,7 @@ BUILTIN_OBJECTIVES: dict[str, tuple[str, str]] = {
     "gspo": ("group_norm", "seq_mean_token_mean"),
     "cispo": ("group_norm", "token_mean"),
     "rloo": ("leave_one_out", "token_mean"),
+    "ppo": ("none", "token_mean"),
 }
 LOSS_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
@@ -236,12 +246,13 @@ class AlgorithmConfig:
     name: str = opt("grpo", "Objective (registered name; built in: grpo — Shao et al. 2024, DeepSeekMath; dr_grpo — "
                             "Liu et al. 2025, Understanding R1-Zero-Like Training; dapo — Yu et al. 2025, DAPO; gspo — "
                             "Zheng et al. 2025, Group Sequence Policy Optimization; cispo — MiniMax-M1 2025; rloo — "
-                            "Ahmadian et al. 2024, Back to Basics). Formulas: docs/objectives.md.")
+                            "Ahmadian et al. 2024, Back to Basics; ppo — Schulman et al. 2017 with a critic, "
+                            "[critic]). Formulas: docs/objectives.md.")
     loss_agg: str = opt("auto", "How per-token losses become the batch loss, normalised over the whole batch (every "
                             "micro-batch and replica): token_mean (Σ over tokens / loss tokens), seq_mean_token_sum "
                             "(Σ / samples), seq_mean_token_mean (mean of per-sample token means), "
                             "seq_mean_token_sum_norm (Σ / (samples · rollout.max_new_tokens), Dr. GRPO). "
-                            "auto = the objective's own (grpo, dapo, cispo, rloo: token_mean; dr_grpo: "
+                            "auto = the objective's own (grpo, dapo, cispo, rloo, ppo: token_mean; dr_grpo: "
                             "seq_mean_token_sum_norm; gspo: seq_mean_token_mean).", choices=("auto",) + LOSS_AGGS)
     group_size: int = opt(8, "Samples per prompt (n); advantages are normalised within a group (≥ 2 for the "
                              "group-based objectives).", ge=1)
@@ -276,9 +287,78 @@ class AlgorithmConfig:
                                  "its token weights).", choices=("token", "sequence"))
     is_mode: str = opt("truncate", "Off-policy correction: truncate weights above is_cap to is_cap (TIS), or mask "
                                    "them to 0 (MIS, verl's rollout correction).", choices=("truncate", "mask"))
-    adv_eps: float = opt(1e-6, "Added to the group's reward std before dividing.", gt=0)
+    is_low: float = opt(0.0, "Off-policy correction, is_mode = mask: weights below is_low are masked to 0 as "
+                             "well (verl's lower threshold; 0 = no lower bound, else in (0, 1]).", ge=0, le=1)
+    adv_eps: float = opt(1e-6, "Added to the group's reward std before dividing (ppo: to the batch's advantage "
+                               "std when critic.whiten_advantages).", gt=0)
     adv_std_norm: bool = opt(True, "Divide advantages by the group's reward std (false: centre only). Objectives "
                                    "whose estimator is group_norm (grpo, dapo, gspo, cispo) only.")
+    dynamic_sampling: str = opt("auto", "Dynamic sampling (Yu et al. 2025, DAPO; verl's filter_groups): a group whose "
+                                        "finished rewards are all equal is dropped when it completes (its samples end "
+                                        "as uninformative) and the batch fills from other groups; it is the fresh "
+                                        "filter informative_groups (reflow.fresh_filter). auto = on for objective "
+                                        "dapo unless reflow.fresh_filter names another filter, off otherwise.",
+                                choices=("auto", "on", "off"))
+    max_gen_batches: int = opt(10, "Cap of the fresh filter (dynamic sampling) per step, in batches of generation "
+                                   "(verl's max_num_gen_batches): once the groups completed since the last batch "
+                                   "hold more than max_gen_batches × trainer.batch_size samples, declined groups "
+                                   "go through until the next batch (counted in buffer/groups_over_cap) instead "
+                                   "of the run stopping as in verl. 0 = no cap.", ge=0)
+    overlong_buffer: int = opt(-1, "DAPO's overlong reward shaping (Yu et al. 2025): L_cache, the tokens before "
+                                   "rollout.max_new_tokens (L_max) over which a response's reward falls linearly "
+                                   "by up to overlong_penalty; |y| counts the tokens the model generated (every "
+                                   "turn, tool observations excluded). 0 = off; -1 = auto: L_max / 5 for objective "
+                                   "dapo (the paper's 4,096 of 20,480), off for the others.", ge=-1)
+    overlong_penalty: float = opt(1.0, "Overlong shaping: the penalty at L_max (reward units): R_length = 0 for "
+                                       "|y| ≤ L_max − L_cache, ((L_max − L_cache) − |y|) / L_cache · penalty up to "
+                                       "L_max, −penalty beyond; added to the task's reward (evaluation reports the "
+                                       "task's reward alone).", ge=0)
+    replay_advantage: str = opt("keep", "Advantage of a replayed sample: keep (its own group's), or recompute it "
+                                        "when composed against the newest completed group of the same prompt from "
+                                        "a newer policy (that group's mean, and std for std-normalised "
+                                        "estimators; keep when there is none). Not read by ppo (its trainer "
+                                        "computes advantages from the critic).", choices=("keep", "recompute"))
+    gae_gamma: float = opt(1.0, "ppo: GAE discount γ per response token (Schulman et al. 2016, GAE). 1 = no "
+                                "discount: the reward of a verifier comes once, at the end, and a shorter "
+                                "answer should not be worth more for being shorter (verl, InstructGPT use 1).",
+                           ge=0, le=1)
+    gae_lambda: float = opt(1.0, "ppo: GAE λ (Schulman et al. 2016). 1 = the Monte-Carlo return minus the "
+                                 "critic's value, unbiased whatever the critic; below 1 bootstraps from the "
+                                 "critic's values, which start as a copy of the policy with a fresh head: their "
+                                 "bias would flow into the advantages (Yuan et al. 2025, VC-PPO; verl's default "
+                                 "is 1 as well).", ge=0, le=1)
+    kl_in_reward: bool = opt(False, "ppo: put the KL to the reference policy into the per-token rewards instead of "
+                                    "the loss: each response token's reward gets −kl_coef · KL(π_behaviour ‖ π_ref), "
+                                    "estimated with kl_estimator, and the loss adds no KL term (Ouyang et al. 2022, "
+                                    "InstructGPT; Stiennon et al. 2020). Needs kl_coef > 0.")
+
+
+@dataclass
+class CriticConfig:
+    """The critic of algorithm.name = "ppo": a value model started from the policy (docs/objectives.md)."""
+    lr: float = opt(0.0, "Peak learning rate of the critic's AdamW; 0 = trainer.lr.", ge=0)
+    lr_warmup_steps: int = opt(0, "Linear warm-up steps of the critic's learning rate (the rule of "
+                                  "trainer.warmup_steps).", ge=0)
+    schedule: str = opt("constant", "The critic's learning-rate schedule after its warm-up (over trainer.steps).",
+                        choices=("constant", "cosine"))
+    min_lr_ratio: float = opt(0.1, "Cosine schedule floor of the critic as a fraction of its lr.", ge=0, le=1)
+    weight_decay: float = opt(0.0, "AdamW weight decay of the critic (matrices and embeddings only).", ge=0)
+    grad_clip: float = opt(1.0, "Max gradient norm of the critic, apart from the policy's (0 = no clipping).", ge=0)
+    warmup_steps: int = opt(0, "Critic warm-up (verl's critic_warmup): during the critic's first warmup_steps "
+                               "updates only the critic trains. The policy is not run (its loss metrics read 0) and "
+                               "its weights, optimizer and schedule stand still. A critic started fresh on resume "
+                               "warms up again.", ge=0)
+    value_clip: float = opt(0.2, "ε of PPO's clipped value loss ½·max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²), "
+                                 "V_old the critic's values at the start of the step (Schulman et al. 2017; 0.2 as "
+                                 "in OpenAI baselines' PPO2 and TRL). 0 = the plain ½(V − R)². The trainer takes one "
+                                 "update per batch, so V = V_old where the loss is taken and the clip never binds "
+                                 "(critic/vf_clipfrac reports it).", ge=0)
+    whiten_advantages: bool = opt(True, "Whiten the GAE advantages to (A − mean) / (std + algorithm.adv_eps) over "
+                                        "every loss token of the whole batch (all micro-batches and trainer "
+                                        "replicas), as PPO implementations do (Huang et al. 2022, The 37 "
+                                        "Implementation Details of PPO).")
+    head_init_std: float = opt(1e-3, "Standard deviation of the value head's normal initial weights (bias 0): "
+                                     "small, so the first values are near 0.", ge=0)
 
 
 @dataclass
@@ -297,6 +377,12 @@ class ReflowConfig:
                                            "(registered name; built in: accept_all, reward_band).")
     reward_low: float = opt(0.0, "Lower reward bound of medium_reward and reward_band (exclusive).")
     reward_high: float = opt(1.0, "Upper reward bound of medium_reward and reward_band (exclusive).")
+    fresh_filter: str = opt("accept_all", "Fresh filter deciding, when a group completes, which of its finished "
+                                          "samples are kept for training (the others end as uninformative; "
+                                          "registered name; built in: accept_all, informative_groups = "
+                                          "algorithm.dynamic_sampling).")
+    sample_weight: str = opt("uniform", "Hook setting each kept sample's base loss weight ω_i when its group "
+                                        "completes (registered name; built in: uniform, ω_i = 1).")
 
 
 @dataclass
@@ -565,6 +651,29 @@ class SimConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """The sandbox that runs model-written code (`reflow_hpc/sandbox/`, threat model in
+    [sandbox.md](sandbox.md)): a pool of fork servers per rollout worker, each run bounded by the limits
+    below."""
+    tier: str = opt("auto", "Isolation: auto = the best this machine offers (bwrap, then landlock, then rlimits); "
+                            "naming one uses it or fails.", choices=("auto", "bwrap", "landlock", "rlimits"))
+    allow_weak: bool = opt(False, "Accept the rlimits tier (no file, process or network isolation) when no other "
+                                  "is usable; otherwise a code tool is a config error on such a machine.")
+    concurrency: int = opt(2, "Runs at once per worker, each in its own fork server (its own sandbox).", ge=1)
+    recycle_every: int = opt(1000, "Replace a fork server after this many runs (0 = never).", ge=0)
+    wall_time_s: float = opt(10.0, "Wall-clock limit of one run; past it everything the run started is killed.",
+                             gt=0)
+    cpu_time_s: int = opt(10, "CPU seconds of one process of a run (RLIMIT_CPU).", ge=1)
+    memory_mib: int = opt(1024, "Address space of one process of a run in MiB (RLIMIT_AS).", ge=64)
+    processes: int = opt(16, "Processes and threads one run may have at once (bwrap tier; the landlock and rlimits "
+                             "tiers allow threads but no new process).", ge=1)
+    output_bytes: int = opt(1 << 20, "Bytes of stdout and stderr kept from one run; the run is killed past them "
+                                     "(truncated).", ge=1024)
+    scratch_mib: int = opt(64, "Size of a run's writable scratch (/tmp, and /dev/shm, in the bwrap tier), also the "
+                               "largest file it may write.", ge=1)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -572,6 +681,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reflow: ReflowConfig = field(default_factory=ReflowConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -582,6 +692,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     # Where the TOML came from (not a key): relative paths in error messages and dry runs.
     source: str = field(default="", repr=False, compare=False, metadata={"internal": True})
@@ -821,6 +932,10 @@ def validate(cfg: Config, *, check_files: bool = True) -> None:
     if cfg.reflow.replay_filter not in replay_filter_names():
         raise ConfigError("reflow.replay_filter", cfg.reflow.replay_filter,
                           "registered: " + ", ".join(replay_filter_names()))
+    from .core.fresh import fresh_filter_names, sample_weight_names
+    for key, names in (("fresh_filter", fresh_filter_names()), ("sample_weight", sample_weight_names())):
+        if getattr(cfg.reflow, key) not in names:
+            raise ConfigError(f"reflow.{key}", getattr(cfg.reflow, key), "registered: " + ", ".join(names))
     if cfg.model.init_config and cfg.model.warmstart:
         raise ConfigError("model.init_config", cfg.model.init_config,
                           "builds a randomly initialised policy; model.warmstart builds the tiny one: set only one")
@@ -939,8 +1054,28 @@ def objective_traits(cfg: Config) -> tuple[str, str]:
     return estimator, agg if a.loss_agg == "auto" else a.loss_agg
 
 
+def dynamic_sampling(cfg: Config) -> bool:
+    """Whether ``algorithm.dynamic_sampling`` is on: ``on``, or ``auto`` for objective dapo with no other
+    fresh filter selected."""
+    a = cfg.algorithm
+    return a.dynamic_sampling == "on" or (a.dynamic_sampling == "auto" and a.name == "dapo"
+                                          and cfg.reflow.fresh_filter == "accept_all")
+
+
+def fresh_filter(cfg: Config) -> str:
+    """The fresh filter in force: ``reflow.fresh_filter``, or informative_groups under dynamic sampling."""
+    return "informative_groups" if dynamic_sampling(cfg) else cfg.reflow.fresh_filter
+
+
 def _check_algorithm(cfg: Config) -> None:
     a = cfg.algorithm
+    if a.dynamic_sampling == "on" and cfg.reflow.fresh_filter not in ("accept_all", "informative_groups"):
+        raise ConfigError("algorithm.dynamic_sampling", a.dynamic_sampling,
+                          f"is the fresh filter informative_groups: reflow.fresh_filter names another "
+                          f"({cfg.reflow.fresh_filter!r}); set one of the two")
+    if a.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError("algorithm.overlong_buffer", a.overlong_buffer,
+                          f"must be ≤ rollout.max_new_tokens ({cfg.rollout.max_new_tokens}), the length it ends at")
     registered = plugins.objective_names()
     if a.name not in BUILTIN_OBJECTIVES and a.name not in registered:
         raise ConfigError("algorithm.name", a.name, "allowed: " + ", ".join([*BUILTIN_OBJECTIVES, *registered]))
@@ -949,9 +1084,10 @@ def _check_algorithm(cfg: Config) -> None:
     if estimator not in ESTIMATORS or agg not in LOSS_AGGS:
         raise ConfigError("algorithm.name", a.name, f"the objective's advantage estimator ({estimator!r}) or "
                                                     f"aggregation ({agg!r}) is unknown")
-    if a.group_size < 2:
+    if a.group_size < 2 and estimator != "none":
         raise ConfigError("algorithm.group_size", a.group_size, f"objective {a.name} compares the samples of a "
                                                                 f"group: needs ≥ 2")
+    _check_critic(cfg)
     if 0 < a.clip_ratio_c <= 1:
         raise ConfigError("algorithm.clip_ratio_c", a.clip_ratio_c, "must be 0 (off) or > 1: the dual clip caps "
                                                                     "a negative advantage's loss above the PPO clip")
@@ -961,9 +1097,30 @@ def _check_algorithm(cfg: Config) -> None:
     if 0 < a.is_cap < 1:
         raise ConfigError("algorithm.is_cap", a.is_cap, "must be 0 (off) or ≥ 1: a cap below 1 would shrink "
                                                         "on-policy tokens")
+    if a.is_low and (a.is_mode != "mask" or not a.is_cap):
+        raise ConfigError("algorithm.is_low", a.is_low, "a lower bound masks weights: it needs is_mode = \"mask\" "
+                                                        "and is_cap ≥ 1")
     check = getattr(plugins.objective_class(a.name), "check", None)
     if a.name not in BUILTIN_OBJECTIVES and check is not None:
         check(cfg)
+
+
+def _check_critic(cfg: Config) -> None:
+    """ppo's keys: [critic] and the algorithm keys only ppo reads."""
+    a, c, steps = cfg.algorithm, cfg.critic, cfg.trainer.steps
+    if a.kl_in_reward and a.name != "ppo":
+        raise ConfigError("algorithm.kl_in_reward", True, f"objective {a.name} has no per-token rewards to put the "
+                                                          f"KL into (only ppo): set false")
+    if a.kl_in_reward and a.kl_coef <= 0:
+        raise ConfigError("algorithm.kl_in_reward", True, "needs algorithm.kl_coef > 0 (β of the KL in the reward, "
+                                                          "and the reference model)")
+    if a.name != "ppo":
+        return
+    if c.warmup_steps >= steps:
+        raise ConfigError("critic.warmup_steps", c.warmup_steps, f"must be < trainer.steps ({steps}): the policy "
+                                                                 f"would never train")
+    if c.lr_warmup_steps > steps:
+        raise ConfigError("critic.lr_warmup_steps", c.lr_warmup_steps, f"must be ≤ trainer.steps ({steps})")
 
 
 def _check_task(cfg: Config, check_files: bool) -> None:
@@ -972,6 +1129,10 @@ def _check_task(cfg: Config, check_files: bool) -> None:
     registered = plugins.task_names()
     if t.name not in BUILTIN_TASKS and t.name not in registered:
         raise ConfigError("task.name", t.name, "allowed: " + ", ".join(sorted({*BUILTIN_TASKS, *registered})))
+    tools = {*BUILTIN_TOOLS, *plugins.tool_names()}
+    names = [n.strip() for n in t.tools.split(",") if n.strip()]
+    if not names or any(n not in tools for n in names):
+        raise ConfigError("task.tools", t.tools, "a comma-separated list of: " + ", ".join(sorted(tools)))
     if t.min_terms > t.max_terms:
         raise ConfigError("task.min_terms", t.min_terms, f"must be ≤ task.max_terms ({t.max_terms})")
     if check_files and t.name in DATA_TASKS:

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "reflow_hpc"
 # The part of the package a module belongs to: its subpackage, or the module itself at the top.
 # For each part, the other parts it may import (its own is always allowed).
 BELOW_RUNTIME = {"core", "comm", "config", "plugins", "trajectory", "envs", "storage", "rollout", "train", "policy",
-                 "metrics", "evaluation", "warmstart", "assembly"}
+                 "metrics", "evaluation", "warmstart", "assembly", "sandbox"}
 ALLOWED = {
     "core": set(),
     "private": set(),                   # stdlib only: the safe writes every writer below uses
@@ -22,7 +22,8 @@ ALLOWED = {
     "trajectory": set(),
     "config": {"core", "plugins"},
     "comm": set(),
-    "envs": {"config", "core", "plugins"},
+    "envs": {"config", "core", "plugins", "sandbox"},   # the code tool and the math scorer's helper process
+    "sandbox": {"config"},              # fork servers for model-written code; stdlib inside the sandbox
     "storage": {"comm", "config", "trajectory"},
     "rollout": {"config", "envs", "trajectory"},
     "train": {"comm", "config", "plugins", "trajectory", "policy"},
