@@ -182,6 +182,14 @@ def _pump(stream, out, tail: list[str]) -> None:
         del tail[:-POSTMORTEM_LINES]
 
 
+def check_sandbox(cfg: Config) -> None:
+    """A run whose model may call the ``python`` tool needs a sandbox tier this machine offers (one-line
+    config error naming what to install or set: ``sandbox.require_tier``)."""
+    if "python" in [n.strip() for n in cfg.task.tools.split(",")]:
+        from .sandbox import require_tier
+        require_tier(cfg)
+
+
 def check_resume(cfg: Config) -> None:
     """A run that resumes must keep the keys its checkpoint is laid out by (one-line config error)."""
     if not cfg.checkpoint.resume:
@@ -399,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("run.umask", cfg.run.umask, "not an octal umask between 000 and 777") from None
         if not args.check:
             check_resume(cfg)
+        check_sandbox(cfg)
         from .comm.mpi import launcher_rank, under_launcher
         launched = under_launcher()
         if not launched or (launcher_rank() == "0" and not relaunched()):   # once: the front end, or rank 0 of srun

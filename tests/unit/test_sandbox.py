@@ -45,6 +45,14 @@ def test_no_usable_tier_is_a_one_line_config_error(no_isolation):
         require_tier(SandboxConfig(tier="rlimits"))
 
 
+def test_the_main_job_refuses_a_python_tool_without_a_tier(no_isolation):
+    from reflow_hpc.run import check_sandbox
+
+    check_sandbox(load(None, ["model.warmstart=true"], check_files=False))         # calculator only: no check
+    with pytest.raises(ConfigError, match="sandbox.allow_weak"):
+        check_sandbox(load(None, ["model.warmstart=true", "task.tools=calculator,python"], check_files=False))
+
+
 def test_the_best_usable_tier_is_chosen(monkeypatch):
     found = (tiers.Probe("bwrap", False, "no"), tiers.Probe("landlock", True, "Landlock ABI 7"),
              tiers.Probe("rlimits", True, "rlimits"))
