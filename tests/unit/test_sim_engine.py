@@ -168,6 +168,17 @@ def test_multi_turn_samples_wait_for_their_tools():
     assert res.summary["step_s"] > plain.summary["step_s"]
 
 
+def test_tool_calls_queue_behind_the_workers_executor():
+    """As on a rollout worker: at most task.tool_concurrency calls run at once, the rest queue; more
+    slots, the same guarantees and a shorter step (the engine decodes the others meanwhile)."""
+    tools = ["sim.tool_calls_mean=2", "task.max_turns=4", "sim.tool_latency_median_s=5"]
+    one, obs = run("reflow", *tools, "task.tool_concurrency=1")
+    check_guarantees(one, obs)
+    many, obs = run("reflow", *tools, "task.tool_concurrency=64")
+    check_guarantees(many, obs)
+    assert many.summary["step_s"] < one.summary["step_s"]
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_mode_keeps_its_guarantees_when_messages_take_time(mode):
     """Commands and reports in flight for 0.5 s cross each other (a cancel and the sample's finish, a
