@@ -45,7 +45,7 @@ def test_qwen3_json_calls_bare_calls_and_malformed_ones():
 
 
 def test_calculator_tool_runs_both_forms_and_reports_errors():
-    cfg = C.load(None, ["task.name=calculator_tool"])
+    cfg = C.load(None, ["task.name=calculator_tool"], check_files=False)
     tools = make_tools(cfg)
     assert run_call(tools, parse_tool_call("<tool_call>47+8+35</tool_call>", TOOLS)) == ("90", "")
     out, err = run_call(tools, parse_tool_call('<tool_call>{"name": "calculator", "arguments": '
@@ -66,14 +66,14 @@ def test_a_plugin_registers_a_tool_and_config_checks_the_names():
             return arguments["text"]
 
     assert "echo_for_test" in tool_names()
-    cfg = C.load(None, ["task.name=calculator_tool", "task.tools=echo_for_test,calculator"])
+    cfg = C.load(None, ["task.name=calculator_tool", "task.tools=echo_for_test,calculator"], check_files=False)
     tools = make_tools(cfg)
     assert list(tools) == ["echo_for_test", "calculator"]
     assert run_call(tools, parse_tool_call("<tool_call>hi</tool_call>", tuple(tools))) == ("hi", "")
     assert run_call(tools, parse_tool_call('<tool_call>{"name": "echo_for_test", "arguments": {}}</tool_call>',
                                            tuple(tools))) == ("error: nothing to echo", "nothing to echo")
     with pytest.raises(C.ConfigError, match="task.tools"):
-        C.load(None, ["task.tools=calculator,nope"])
+        C.load(None, ["task.tools=calculator,nope"], check_files=False)
 
 
 def test_plain_and_templated_rendering_and_the_cap():
