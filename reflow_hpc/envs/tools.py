@@ -47,6 +47,7 @@ Observation tokens carry version −1 and log-prob 0: no loss.
 
 from __future__ import annotations
 
+import abc
 import json
 import threading
 import time
@@ -123,7 +124,7 @@ def parse_tool_call(turn_text: str, tools: tuple[str, ...]) -> ToolCall | None:
 # --------------------------------------------------------------------------------------------
 
 
-class Tool:
+class Tool(abc.ABC):
     """Base class of tools: ``run(arguments) -> output text``; ToolError for a failed call."""
 
     name = ""
@@ -132,8 +133,9 @@ class Tool:
     def __init__(self, cfg: "Config"):
         self.cfg = cfg
 
+    @abc.abstractmethod
     def run(self, arguments: dict) -> str:
-        raise NotImplementedError
+        """The tool's output for ``arguments`` (ToolError: an error the model sees)."""
 
     def argument(self, arguments: dict, key: str) -> str:
         value = arguments.get(key, arguments.get("_plain"))

@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -42,7 +41,7 @@ import torch.distributed as dist
 from . import gae
 from .loss import kl_of_log_ratio
 from .offload import Offload
-from .optim import adam_state, build_optimizer, build_scheduler
+from .optim import adam_state, apply_update, build_optimizer, build_scheduler
 from .parallel import parallelize
 from .replicas import Replicas
 from .sharding import local
@@ -176,14 +175,7 @@ class Critic:
         frozen = self.policy_frozen
         norm = self.parallel.clip_grad_norm([p for _, p in self._params], self.cfg.critic.grad_clip, step)
         finite = math.isfinite(norm)
-        if finite:
-            self.optimizer.step()
-            self.scheduler.step()
-        else:
-            with warnings.catch_warnings():   # torch warns when the schedule moves without an update
-                warnings.simplefilter("ignore", UserWarning)
-                self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_update(self.optimizer, self.scheduler, finite)
         self.step += 1
         n = sums["tokens"] or 1.0
         adv_mean = sums["adv"] / n

@@ -20,8 +20,10 @@ scales or biases.
 
 from __future__ import annotations
 
+import warnings
+
 import math
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -82,3 +84,16 @@ def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
         st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return st
+
+
+def apply_update(optimizer: torch.optim.Optimizer, scheduler: Any, finite: bool) -> None:
+    """One step of ``optimizer`` when the gradient norm was ``finite`` (else none: the update is skipped),
+    the schedule moved either way, the gradients cleared."""
+    if finite:
+        optimizer.step()
+        scheduler.step()
+    else:
+        with warnings.catch_warnings():   # torch warns when the schedule moves without an update
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)

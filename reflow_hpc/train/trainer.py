@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -59,7 +58,7 @@ from ..comm.dist import guarded
 from ..trajectory import Trajectory
 from .loss import SUM_KEYS, LossSettings, empty_stats, loss_metrics, policy_loss, token_logprobs
 from .offload import Offload
-from .optim import adam_state, build_optimizer, build_scheduler
+from .optim import adam_state, apply_update, build_optimizer, build_scheduler
 from .parallel import parallelize
 from .replicas import Replicas, recv_state, send_state
 from .sharding import local
@@ -236,15 +235,9 @@ class Trainer:
             grad_norm = self.parallel.clip_grad_norm([p for _, p in self._params], tc.grad_clip, self.step + 1)
         finite = math.isfinite(grad_norm)
         if frozen:          # the policy's optimizer and schedule stand still while the critic warms up
-            pass
-        elif finite:
-            self.optimizer.step()
-            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         else:
-            with warnings.catch_warnings():   # torch warns when the schedule moves without an update
-                warnings.simplefilter("ignore", UserWarning)
-                self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            apply_update(self.optimizer, self.scheduler, finite)
         self.step += 1
         every = tc.check_replicas_every
         if every and self.step % every == 0:
