@@ -267,6 +267,10 @@ class AlgorithmConfig:
                                       "(Zheng et al. 2025, GSPO).", ge=0)
     cispo_clip_high: float = opt(5.0, "cispo: the stop-gradient importance weight is clipped above at this value "
                                       "(ε_max of ScaleRL, Khatri et al. 2025; MiniMax-M1 2025).", gt=0)
+    cispo_clip_low: float = opt(0.2, "cispo: a token with a negative advantage whose ratio fell below "
+                                     "1 - cispo_clip_low gets no gradient (the token mask of MiniMax-M1's unified "
+                                     "form, PPO's trust region on the side where CISPO's push is unbounded); 1 = no "
+                                     "mask, the paper's plain CISPO.", ge=0, le=1)
     clip_ratio_c: float = opt(0.0, "Dual-clip PPO (Ye et al. 2020, Mastering Complex Control in MOBA Games): for "
                                    "a negative advantage the clipped loss is capped at clip_ratio_c · |A| "
                                    "(0 = off; else > 1, e.g. 3). PPO-clip objectives only.", ge=0)

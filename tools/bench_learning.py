@@ -24,7 +24,9 @@ final reward in ≤ 0.6× sync's time, and ends within one standard error (or 0.
 
 ``--algorithms a,b,…`` runs every objective (``algorithm.name``) in each mode of ``--modes`` from the
 same warm start, seeds and budget; the arms are then named by objective (``mode:objective`` with more
-than one mode). The JSON object's ``algorithms`` maps each to ``final``, ``final_se`` (eval reward at the
+than one mode). An arm may carry its own settings, ``cispo[cispo_clip_low=1;cispo_clip_high=2]``
+(``section.key=value``; a bare key is in ``[algorithm]``), so variants of one objective compare side by
+side with the others. The JSON object's ``algorithms`` maps each to ``final``, ``final_se`` (eval reward at the
 end, mean ± s.e. over seeds), ``gain``, ``gain_se`` (final minus the start policy's sampled eval reward,
 per seed), ``well_formed_gain`` (the same among samples already in the verifier's answer form, which
 separates learning the task from learning its format), ``vs_grpo`` and ``vs_grpo_se`` (final minus
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
@@ -184,11 +187,18 @@ def _se(xs: list[float]) -> float:
 # Runs
 # ----------------------------------------------------------------------------------------------
 
+def arm_sets(arm: str) -> list[str]:
+    """``--set`` values of an arm ``name`` or ``name[key=value;section.key=value]``."""
+    name, _, rest = arm.partition("[")
+    extra = [kv.strip() for kv in rest.rstrip("]").split(";") if kv.strip()]
+    return [f"algorithm.name={name.strip()}"] + [kv if "." in kv.split("=")[0] else f"algorithm.{kv}" for kv in extra]
+
+
 def run_one(config: str, mode: str, seed: int, args: argparse.Namespace, out: Path,
             algorithm: str | None = None, label: str | None = None) -> dict:
     label = label or mode
-    name = f"learn-{label.replace(':', '-')}-s{seed}"
-    chosen = [f"algorithm.name={algorithm}"] if algorithm else []
+    name = "learn-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-") + f"-s{seed}"
+    chosen = arm_sets(algorithm) if algorithm else []
     sets = [*mode_sets(mode), *chosen, f"run.seed={seed}", f"trainer.time_budget_s={args.budget_s}",
             "trainer.steps=1000000", f"run.eval_every_steps={args.eval_every_steps}",
             f"resources.cpu_quota={args.cpu_quota}", f"run.output_dir={out}", f"run.name={name}",
@@ -296,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
     modes = args.modes.split(",")
-    algorithms = args.algorithms.split(",") if args.algorithms else [None]
+    algorithms = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.algorithms) if args.algorithms else [None]
     # (label, mode, objective) of every arm: by mode alone, or by objective (and mode, with several)
     arms = [(mode if alg is None else alg if len(modes) == 1 else f"{mode}:{alg}", mode, alg)
             for alg in algorithms for mode in modes]

@@ -32,7 +32,8 @@ Rules:
   (``algorithm.name`` with its aggregation, :data:`TRL_OBJECTIVES`) → ``loss_type``,
   ``importance_sampling_level`` and the clip range: grpo and dapo (token_mean) → ``"dapo"``, the
   clipped per-token terms summed and divided by the loss tokens of the whole batch; dr_grpo →
-  ``"dr_grpo"``; gspo → ``"grpo"`` at sequence level; cispo → ``"cispo"``; the others, and an
+  ``"dr_grpo"``; gspo → ``"grpo"`` at sequence level; cispo → ``"cispo"`` (without our token mask,
+  ``algorithm.cispo_clip_low``, which cannot bind there: TRL's ratio is 1); the others, and an
   aggregation TRL has no loss type for, are config errors (tests/unit/test_objectives.py holds
   each pair equal on the same inputs). Parameters in ``model.dtype`` without autocast, no
   gradient checkpointing, CPU, no vLLM, no logging to external services. :func:`mismatches` lists

@@ -85,6 +85,7 @@ def random_batch(seed: int, rows: int = 7, width: int = 12, agg: str = "token_me
 
 def reference_loss(name, logp, behaviour, mask, adv, w, *, agg, n_tokens, n_samples, max_len=L_MAX,
                    clip_low=0.2, clip_high=0.25, dapo_high=0.28, gspo_low=3e-4, gspo_high=4e-4, cispo_cap=5.0,
+                   cispo_low=0.2,
                    clip_c=0.0, is_cap=0.0, is_level="token", is_mode="truncate", is_low=0.0, kl_coef=0.0, ref=None,
                    kl_kind="k3", ent_coef=0.0, entropy=None):
     total = torch.zeros((), dtype=torch.float64)
@@ -119,8 +120,9 @@ def reference_loss(name, logp, behaviour, mask, adv, w, *, agg, n_tokens, n_samp
                 terms[t] = seq
         for t in toks:
             r = torch.exp(logp[i, t] - old[t])
-            if name == "cispo":
-                terms[t] = -min(float(r.detach()), cispo_cap) * a * logp[i, t]
+            if name == "cispo":   # MiniMax-M1's token mask: a falling negative-advantage token stops
+                live = not (a < 0 and float(r.detach()) < 1 - cispo_low)
+                terms[t] = -min(float(r.detach()), cispo_cap) * a * logp[i, t] * float(live)
             elif name != "gspo":
                 hi = dapo_high if name == "dapo" else clip_high
                 term = -torch.minimum(r * a, torch.clamp(r, 1 - clip_low, 1 + hi) * a)
@@ -278,13 +280,19 @@ def test_hand_gspo():
 
 
 def test_hand_cispo():
-    # -sg(min(ρ, 5)) A logp; every loss token gets gradient -min(ρ, 5) A / N.
+    # -sg(min(ρ, 1.2)) A logp: every loss token gets gradient -min(ρ, 1.2) A / N, except a token with A < 0
+    # whose ratio fell below 1 - cispo_clip_low (MiniMax-M1's token mask): sample 1's first, ρ = e^-.5.
     loss, grad = hand("cispo", "token_mean", cispo_clip_high=1.2)
-    r0 = [1.0, 1.2, E(-0.5)]                     # e^.4 capped at 1.2
+    r0 = [1.0, 1.2, E(-0.5)]                     # e^.4 capped at 1.2; A = 1 > 0: no mask
     r1 = [E(-0.5), 1.0]
-    expected = (-(r0[0] * -1.0 + r0[1] * -0.5 + r0[2] * -2.0) + 0.5 * (r1[0] * -0.6 + r1[1] * -1.2)) / 5
+    expected = (-(r0[0] * -1.0 + r0[1] * -0.5 + r0[2] * -2.0) + 0.5 * (r1[1] * -1.2)) / 5
     assert loss == pytest.approx(expected, abs=1e-12)
     assert grad[0].tolist() == pytest.approx([-r / 5 for r in r0], abs=1e-12)
+    assert grad[1].tolist() == pytest.approx([0.0, 0.5 / 5, 0.0], abs=1e-12)
+    # cispo_clip_low = 1: the paper's plain CISPO, no token is masked
+    loss, grad = hand("cispo", "token_mean", cispo_clip_high=1.2, cispo_clip_low=1.0)
+    expected = (-(r0[0] * -1.0 + r0[1] * -0.5 + r0[2] * -2.0) + 0.5 * (r1[0] * -0.6 + r1[1] * -1.2)) / 5
+    assert loss == pytest.approx(expected, abs=1e-12)
     assert grad[1].tolist() == pytest.approx([0.5 * r1[0] / 5, 0.5 / 5, 0.0], abs=1e-12)
 
 
@@ -358,9 +366,10 @@ def test_equal_to_trl_grpo_trainer(name, agg, loss_type, level, eps_low, eps_hig
         behaviour = torch.where(mask, logp + 0.003 * torch.sin(torch.arange(logp.numel()).view_as(logp).double()),
                                 behaviour)
     w = torch.ones(logp.shape[0], dtype=torch.float64)        # TRL has no replay weights
+    plain = {"cispo_clip_low": 1.0} if name == "cispo" else {}  # TRL's cispo has no token mask
     x = logp.clone().requires_grad_(True)
     ours_loss, _, _ = policy_loss(x, behaviour, mask, adv, w, batch_loss_tokens=int(mask.sum()),
-                                  batch_samples=logp.shape[0], settings=settings(name, agg))
+                                  batch_samples=logp.shape[0], settings=settings(name, agg, **plain))
     ours_loss.backward()
     y = logp.clone().requires_grad_(True)
     theirs = trl_loss(loss_type, level, y, behaviour, mask, adv, eps_low, eps_high, L_MAX)
