@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import abc
 import json
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -174,17 +173,13 @@ class Python(Tool):
     def __init__(self, cfg: "Config"):
         super().__init__(cfg)
         self.timeout_s = cfg.task.turn_timeout_s
-        self._sandbox: Any = None
-        self._lock = threading.Lock()      # executor threads share one pool of fork servers
 
     def sandbox(self) -> Any:
-        """The worker's sandbox (``[sandbox]``), started at the first call. No usable tier raises
-        SandboxUnavailable: the sample fails with that one line, rather than learn from error outputs."""
-        with self._lock:
-            if self._sandbox is None:
-                from ..sandbox import Sandbox
-                self._sandbox = Sandbox.from_config(self.cfg)
-            return self._sandbox
+        """The process's sandbox (``[sandbox]``, shared with a coding task's reward), started at the first
+        call. No usable tier raises SandboxUnavailable: the sample fails with that one line, rather than
+        learn from error outputs."""
+        from ..sandbox import shared_sandbox
+        return shared_sandbox(self.cfg)
 
     def run(self, arguments: dict) -> str:
         code = self.argument(arguments, "code")

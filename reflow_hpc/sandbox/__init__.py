@@ -2,9 +2,9 @@
 (``server``), the trainer's pool of servers (``client``), judging outside (``judge``), and the bounded
 helper process they are built on (``helper``). Threat model: docs/sandbox.md."""
 
-from .client import RunResult, Sandbox, SandboxUnavailable, require_tier
+from .client import RunResult, Sandbox, SandboxUnavailable, require_tier, shared_sandbox
 from .judge import FunctionRun, call_function, outputs_match, reward
 from .tiers import choose, probe
 
-__all__ = ["RunResult", "Sandbox", "SandboxUnavailable", "require_tier", "FunctionRun", "call_function",
+__all__ = ["RunResult", "Sandbox", "SandboxUnavailable", "require_tier", "shared_sandbox", "FunctionRun", "call_function",
            "outputs_match", "reward", "choose", "probe"]

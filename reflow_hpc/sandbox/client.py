@@ -207,3 +207,21 @@ class Sandbox:
             self.close()
         except Exception:
             pass
+
+
+_shared: dict[str, Sandbox] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_sandbox(cfg) -> Sandbox:
+    """The process's sandbox for ``cfg.sandbox`` (a Config), started at the first call and shared by every
+    user in the process (the ``python`` tool, a coding task's reward), so that a rollout worker holds
+    ``sandbox.concurrency`` fork servers, not one pool per user. SandboxUnavailable (one line) when no
+    tier the config accepts is usable here."""
+    key = repr(cfg.sandbox)
+    with _shared_lock:
+        box = _shared.get(key)
+        if box is None:
+            box = _shared[key] = Sandbox.from_config(cfg)
+        return box
+

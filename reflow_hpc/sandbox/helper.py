@@ -13,13 +13,18 @@ bounded helper (the math scorer's equivalence process is one). The rules:
   call fails that call (``retry_lost_call``: the call is made once more, for helpers whose input is
   trusted);
 - after ``recycle_every`` calls (0: never) it is replaced, so that state it accumulates stays bounded;
-- a copy of this object inherited across a ``fork`` never touches the parent's process.
+- a copy of this object inherited across a ``fork`` never touches the parent's process;
+- every helper is started from one thread that lives as long as the process (:func:`popen`): the
+  kernel's parent-death signal (the servers' ``PR_SET_PDEATHSIG``, bwrap's ``--die-with-parent``) fires
+  when the *thread* that forked the child ends, so a helper started from a short-lived executor
+  thread would die with it, and the calls after would fail.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import select
 import subprocess
 import threading
@@ -29,6 +34,37 @@ from typing import Any, Sequence
 
 class HelperError(RuntimeError):
     """The helper could not be started (one line)."""
+
+
+_spawner: tuple[int, threading.Thread, "queue.SimpleQueue"] | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn_loop(requests: "queue.SimpleQueue") -> None:
+    while True:
+        args, kwargs, reply = requests.get()
+        try:
+            reply.put((True, subprocess.Popen(*args, **kwargs)))
+        except BaseException as e:       # handed to the caller, raised there
+            reply.put((False, e))
+
+
+def popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen`` run on the process's spawner thread (module docstring)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid() or not _spawner[1].is_alive():
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(target=_spawn_loop, args=(requests,), name="reflow-helper-spawner", daemon=True)
+            thread.start()
+            _spawner = (os.getpid(), thread, requests)
+        requests = _spawner[2]
+    reply: queue.SimpleQueue = queue.SimpleQueue()
+    requests.put((args, kwargs, reply))
+    ok, value = reply.get()
+    if not ok:
+        raise value
+    return value
 
 
 class HelperProcess:
@@ -52,8 +88,8 @@ class HelperProcess:
 
     # ---- process handling (lock held) ---------------------------------------------------------
     def _spawn(self) -> None:
-        self._proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, close_fds=True, env=self.env)
+        self._proc = popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, close_fds=True, env=self.env)
         self._owner, self._buf, self.info, self._calls = os.getpid(), b"", {}, 0
         if self.first_line:
             try:

@@ -467,3 +467,25 @@ def test_sandbox_processes_stay_in_the_ranks_cpu_group():
     finally:
         proc.wait(timeout=30)
         cpuquota.remove(prefix, 1)
+
+
+@pytest.mark.parametrize("tier", ["bwrap", "landlock"])
+def test_a_sandbox_started_on_a_thread_that_ends_keeps_working(tier):
+    """The parent-death signal belongs to the thread that forked: servers started from an executor thread
+    that has since ended must not die with it (they are started from the process's spawner thread)."""
+    tier_or_skip(tier)
+    cfg = SandboxConfig(tier=tier, concurrency=2, wall_time_s=WALL_S, recycle_every=0)
+    boxes: list = []
+    t = threading.Thread(target=lambda: boxes.append(Sandbox(cfg, quiet=True)) or boxes[0].start())
+    t.start()
+    t.join()
+    box = boxes[0]
+    try:
+        started = box.server_pids()
+        assert len(started) == 2
+        assert not gone(started, within_s=0.5)       # a parent-death signal would have killed them by now
+        for _ in range(4):
+            assert reward(call_function(box, HONEST, "add", INPUTS), EXPECTED) == 1.0
+        assert box.server_pids() == started
+    finally:
+        box.close()
