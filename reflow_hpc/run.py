@@ -300,6 +300,8 @@ def train(rt) -> int:
         signal.signal(sig, on_stop if side is not None else signal.SIG_IGN)
     worker = Worker(rt)
     worker.run()
+    from .runtime.rankstats import gather_records, write_record
+    write_record(rt.cfg.run_dir, worker)        # its account for the benchmarks, before the evaluation
     rt.shutdown()
     destroy()
     scores = evaluate(rt) if rt.cfg.run.eval_prompts else None
@@ -307,6 +309,7 @@ def train(rt) -> int:
         return 0
     summary = dict(side.summary)
     summary.update(scores or {})
+    summary["ranks"] = gather_records(rt.cfg.run_dir, rt.size, since=worker.account.started)
     write_atomic(rt.cfg.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     print(report(summary, rt.cfg), flush=True)
     if stop_signal and stop_signal[0] == signal.SIGUSR2 and "SLURM_JOB_ID" in os.environ \

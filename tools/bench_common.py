@@ -1,4 +1,6 @@
-"""What the run-based benchmarks share: one real run of ``python -m reflow_hpc.run`` and a text table."""
+"""What the run-based benchmarks share: one real run of ``python -m reflow_hpc.run``, a text table, the mean,
+median and standard error, and the per-rank accounts of a run (``reflow_hpc/runtime/rankstats.py``: summary.json's
+``ranks``) with the flags that compare them between modes and against the CPU cap."""
 
 from __future__ import annotations
 
@@ -55,3 +57,133 @@ def median(xs) -> float:
         return math.nan
     mid = len(xs) // 2
     return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def se(xs) -> float:
+    """Standard error of the mean (sample standard deviation ÷ √n); nan below two values."""
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    if len(xs) < 2:
+        return math.nan
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-rank accounts (reflow_hpc/runtime/rankstats.py: summary.json's ``ranks``)
+# ----------------------------------------------------------------------------------------------
+
+RANK_TOLERANCE = 0.25        # a difference between modes (or runs) above this is flagged
+
+
+def rank_records(run_dir: Path, summary: dict) -> list[dict]:
+    """A run's per-rank records: summary.json's ``ranks``, else the ``ranks/`` files ([] for a run made
+    before the runtime kept them)."""
+    if summary.get("ranks"):
+        return list(summary["ranks"])
+    out = []
+    for p in sorted((Path(run_dir) / "ranks").glob("rank*.json")):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def rank_cpu_s(rec: dict) -> float | None:
+    """The rank's CPU seconds: its cgroup's where the cgroup accounts them, else its process's."""
+    v = rec.get("cgroup_cpu_s")
+    return v if v is not None else rec.get("cpu_s")
+
+
+def rank_cpu_share(rec: dict) -> float:
+    """CPU seconds ÷ wall seconds: the share of one core the rank used (≤ its cap under a CPU quota)."""
+    cpu, wall = rank_cpu_s(rec), rec.get("wall_s")
+    return cpu / wall if cpu is not None and wall else math.nan
+
+
+def busy_rate(rec: dict) -> float:
+    """The rank's busy generation rate (tokens ÷ seconds with requests in flight); nan if it generated nothing."""
+    v = rec.get("busy_generation_tokens_per_s")
+    return v if v is not None and rec.get("generated_tokens") else math.nan
+
+
+def rank_profile(records: list[dict]) -> dict:
+    """Medians over some ranks' records (one run's, or every run of a mode): busy generation rate of the
+    ranks that generated, CPU share, throttled share of the wall time, OS and torch threads."""
+    def med(f):
+        return median([f(r) for r in records])
+    return {"ranks": len(records),
+            "busy_gen_tokens_per_s": med(busy_rate),
+            "cpu_share": med(rank_cpu_share),
+            "throttled_share": med(lambda r: r["throttled_s"] / r["wall_s"]
+                                   if r.get("throttled_s") is not None and r.get("wall_s") else math.nan),
+            "threads": med(lambda r: r.get("threads")),
+            "torch_threads": med(lambda r: r.get("torch_threads"))}
+
+
+FLAGGED_PROFILE = (("busy_gen_tokens_per_s", "per-rank busy generation rate", "{:.0f} tok/s"),
+                   ("threads", "threads per rank", "{:.0f}"), ("torch_threads", "torch threads per rank", "{:.0f}"))
+
+
+def mode_flags(profiles: dict[str, dict], reference: str | None = None, tolerance: float = RANK_TOLERANCE) -> list[str]:
+    """"FLAG: …" lines for every mode whose per-rank busy generation rate or thread counts differ by more
+    than ``tolerance`` from ``reference``'s (default: the median over the modes). The modes of one
+    benchmark run at equal caps (the same ``resources.cpu_quota`` on every rank), so at equal caps a
+    rank should generate as fast in any mode; its CPU share may differ (a rank that waits uses less)."""
+    flags = []
+    for key, what, fmt in FLAGGED_PROFILE:
+        values = {m: p.get(key, math.nan) for m, p in profiles.items()}
+        values = {m: v for m, v in values.items() if v is not None and not math.isnan(v)}
+        if len(values) < 2:
+            continue
+        ref_name = reference if reference in values else "the median over the modes"
+        ref = values[reference] if reference in values else median(values.values())
+        if not ref:
+            continue
+        for mode, v in values.items():
+            if mode != reference and abs(v / ref - 1) > tolerance:
+                flags.append(f"FLAG: {mode}: {what} {fmt.format(v)} differs by {v / ref - 1:+.0%} from "
+                             f"{ref_name}'s {fmt.format(ref)} (more than {tolerance:.0%} at equal caps)")
+    return flags
+
+
+def cap_flags(name: str, records: list[dict], cpu_quota: float, tolerance: float = RANK_TOLERANCE) -> list[str]:
+    """"FLAG: …" lines for a run whose ranks were not held to their CPU cap: no CPU cgroup although a
+    quota was asked for, or a CPU share above the cap by more than ``tolerance``."""
+    if cpu_quota <= 0 or not records:
+        return []
+    flags = []
+    uncapped = [r["rank"] for r in records if not r.get("cpu_group")]
+    if uncapped:
+        flags.append(f"FLAG: {name}: rank(s) {', '.join(map(str, uncapped))} ran in no CPU cgroup of their own "
+                     f"although the cap is {cpu_quota:g} of a core (quota not applied?)")
+    over = [(r["rank"], rank_cpu_share(r)) for r in records if rank_cpu_share(r) > cpu_quota * (1 + tolerance)]
+    if over:
+        flags.append(f"FLAG: {name}: rank(s) " + ", ".join(f"{k} ({s:.2f})" for k, s in over) +
+                     f" used more than their cap of {cpu_quota:g} of a core")
+    return flags
+
+
+def per_rank(records: list[dict], f, spec: str) -> str:
+    """One figure per rank, ``/``-separated in rank order ('-' where there is none)."""
+    out = []
+    for r in sorted(records, key=lambda r: r.get("rank", 0)):
+        v = f(r)
+        out.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec))
+    return "/".join(out) if out else "-"
+
+
+def ranks_table(runs: list[tuple[str, list[dict]]]) -> str:
+    """One row per rank of each (run label, rank records): role, busy generation rate, CPU seconds and
+    share of a core, throttled time, threads."""
+    rows = []
+    for label, records in runs:
+        for r in sorted(records, key=lambda r: r.get("rank", 0)):
+            rows.append({"run": label, "rank": r.get("rank"), "role": r.get("role"), "busy": busy_rate(r),
+                         "gen_s": r.get("generate_s"), "cpu": rank_cpu_s(r), "share": rank_cpu_share(r),
+                         "throttled": r.get("throttled_s"), "threads": r.get("threads"),
+                         "torch": r.get("torch_threads")})
+    return table(rows, [("run", "run", "{}"), ("rank", "rank", "{}"), ("role", "role", "{}"),
+                        ("busy gen tok/s", "busy", "{:.0f}"), ("gen s", "gen_s", "{:.1f}"), ("CPU s", "cpu", "{:.1f}"),
+                        ("CPU share", "share", "{:.2f}"), ("throttled s", "throttled", "{:.1f}"),
+                        ("threads", "threads", "{}"), ("torch threads", "torch", "{}")])

@@ -20,6 +20,17 @@ every mode; a mode's throughput is then Σ tokens ÷ Σ step seconds over its pa
 The runs are ``bench-<mode>`` (first pass) and ``bench-<mode>-<k>`` (pass k), listed in each row's
 ``runs``; ``throughput_per_pass`` shows how far the passes agree.
 
+Per rank (``reflow_hpc/runtime/rankstats.py``, summary.json's ``ranks``) it reports the busy generation
+rate (tokens ÷ seconds the engine had requests in flight), the CPU seconds of the rank's cgroup (of its
+process where the cgroup does not account CPU: cgroup v1 with ``cpuacct`` mounted apart) and that as a
+share of one core, the time its CPU quota held it back, and its OS and torch thread counts: a table of
+every rank of every run, the medians per mode as columns of the main table (``gen/rank``, ``CPU/rank``,
+``threads``; in the JSON rows ``rank_profile`` and ``ranks``, each pass's records), and a line ``FLAG: …``
+for a mode whose per-rank busy generation rate or thread count differs by more than 25 % from sync's
+(every mode runs at equal caps, the same ``--cpu-quota``, so a rank should generate as fast in any mode;
+a CPU share may differ, since a waiting rank uses less), and for a rank with no CPU cgroup although a
+quota was asked for or above its cap. The JSON object's ``flags`` lists them.
+
 The baselines are their namesakes (``core/modes.py``): every mode syncs after every step, the
 baselines train without replay (σ = 0), and each run reports the smallest and largest staleness of
 any token it trained (the trainer refuses a token that breaks the mode's guarantee). Every rank is
@@ -41,6 +52,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_common import cap_flags, mode_flags, rank_profile, ranks_table  # noqa: E402
 
 from reflow_hpc.config import load  # noqa: E402
 from reflow_hpc.metrics import read_jsonl  # noqa: E402
@@ -103,6 +117,8 @@ def mode_row(mode: str, runs: list[tuple[str, list[dict], dict, float]], warmup:
     metrics = [m for _, ms, _, _ in runs for m in ms]
     n = len(runs)
     summary = _merge_summaries([s for _, _, s, _ in runs])
+    ranks = [list(s.get("ranks") or []) for _, _, s, _ in runs]           # each pass's rank records
+    profile = rank_profile([r for recs in ranks for r in recs])
     return {
         "system": "reflow_hpc", "mode": mode, "steps": len(metrics) // n, "passes": n,
         "runs": [name for name, _, _, _ in runs],
@@ -115,6 +131,12 @@ def mode_row(mode: str, runs: list[tuple[str, list[dict], dict, float]], warmup:
         "token_staleness": [min(m["trainer/token_staleness_min"] for m in metrics),
                             max(m["trainer/token_staleness_max"] for m in metrics)],
         "sync_seconds": _mean(m["sync_seconds"] for m in measured),
+        # tool calls (multi-turn tasks): the workers' latency over their last 256 calls, averaged over the
+        # measured steps, and the last step's cumulative turns per sample and time spent waiting for tools
+        "tool_seconds_p50": _mean(m.get("rollout/tool_seconds_p50") for m in measured),
+        "tool_seconds_p99": _mean(m.get("rollout/tool_seconds_p99") for m in measured),
+        "turns_per_sample": _mean([metrics[-1].get("rollout/turns_per_sample")]),
+        "tool_wait_fraction": _mean([metrics[-1].get("rollout/tool_wait_fraction")]),
         "reward_first_steps": summary.get("reward_first_steps"),
         "reward_last_steps": summary.get("reward_last_steps"),
         **{k: v for k, v in summary.items() if k.startswith("eval/")},
@@ -122,6 +144,9 @@ def mode_row(mode: str, runs: list[tuple[str, list[dict], dict, float]], warmup:
         "train_seconds": sum(m["step_seconds"] for m in metrics) / n,
         "wall_seconds": sum(wall for _, _, _, wall in runs) / n,
         "time_split": _time_split(measured),
+        "rank_profile": profile, "ranks": ranks,
+        "rank_busy_gen_tokens_per_s": profile["busy_gen_tokens_per_s"], "rank_cpu_share": profile["cpu_share"],
+        "rank_threads": profile["threads"],
     }
 
 
@@ -153,6 +178,9 @@ COLUMNS = [("system", "system", "{}"), ("mode", "mode", "{}"), ("tok/s", "throug
            ("reward first", "reward_first_steps", "{:.3f}"),
            ("reward last", "reward_last_steps", "{:.3f}"), ("eval start", "eval/task/start_reward", "{:.3f}"),
            ("eval final", "eval/task/final_reward", "{:.3f}"), ("held-out", "eval/held_out/final_reward", "{:.3f}"),
+           ("gen/rank tok/s", "rank_busy_gen_tokens_per_s", "{:.0f}"), ("CPU/rank", "rank_cpu_share", "{:.2f}"),
+           ("threads", "rank_threads", "{:.0f}"), ("tool p50 s", "tool_seconds_p50", "{:.3f}"),
+           ("tool p99 s", "tool_seconds_p99", "{:.3f}"), ("turns", "turns_per_sample", "{:.2f}"),
            ("train s", "train_seconds", "{:.1f}"),
            ("wall s", "wall_seconds", "{:.1f}")]
 
@@ -218,6 +246,17 @@ def main(argv: list[str] | None = None) -> int:
             ratios["final_eval_gap_vs_sync"] = (by["reflow"].get("eval/task/final_reward") or math.nan) - \
                                                (by["sync"].get("eval/task/final_reward") or math.nan)
     print(table(rows))
+    rank_runs = [(name, recs) for r in rows if r.get("system") == "reflow_hpc"
+                 for name, recs in zip(r["runs"], r["ranks"])]
+    flags = mode_flags({m: r["rank_profile"] for m, r in by.items() if r["rank_profile"]["ranks"]}, "sync")
+    for name, recs in rank_runs:
+        flags += cap_flags(name, recs, args.cpu_quota)
+    if any(recs for _, recs in rank_runs):
+        print(ranks_table(rank_runs))
+    else:
+        print("per-rank records: none (runs made before the runtime kept ranks/rank<NNNNN>.json)")
+    for line in flags:
+        print(line)
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}" if "gap" not in k else f"{k}: {v:+.3f}")
     targets = {"reflow/sync": 1.6, "reflow/fully_async": 1.25}
@@ -230,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"config": args.config, "steps": args.steps, "warmup_steps": args.warmup_steps,
                           "cpu_quota": args.cpu_quota, "repeat": args.repeat,
-                          "rows": rows, "ratios": ratios, "out": str(out)}))
+                          "rows": rows, "ratios": ratios, "flags": flags, "out": str(out)}))
     return 0
 
 

@@ -72,6 +72,7 @@ from ..private import copy_tree
 from .context import Runtime
 from .messages import (CheckpointWritten, EngineReport, FinishedSample, Heartbeat, Ready, SamplesFailed,
                        SamplesFinished, TrajectoriesFlushed, StepDone, Stop, Switched, WeightsLoaded)
+from .rankstats import RankAccount
 
 # A worker with nothing to generate blocks on its inbox this long at a time. A command wakes it at
 # once, so the value only bounds how often it checks that the coordinator is still heard from.
@@ -125,6 +126,9 @@ class Worker:
         self.trainer_idle_since = time.monotonic()
         self.stopped = False
         self.switches = 0                   # Switch commands so far
+        # The rank's account for the benchmarks (rankstats.py): busy generation and training time.
+        self.generate_s, self.train_s, self.train_steps = 0.0, 0.0, 0
+        self.account = RankAccount()
         self.handlers: dict[type, Callable[[Any], None]] = {
             Dispatch: self._dispatch, Train: self._train, SyncWeights: self._sync_weights, Drop: self._drop,
             Cancel: self._cancel, FlushTrajectories: self._flush_trajectories, WriteCheckpoint: self._write_checkpoint,
@@ -296,7 +300,9 @@ class Worker:
                 backoff.progress()
                 continue
             if busy:
+                t_gen = time.monotonic()
                 self._generate()
+                self.generate_s += time.monotonic() - t_gen
             elif followed:
                 backoff.progress()
             else:
@@ -411,6 +417,7 @@ class Worker:
         stats.update({"token_staleness_min": lo, "token_staleness_max": hi})
         self.rt.send(StepDone(self.rank, cmd.step, stats, idle, fetch_s))
         self.trainer_idle_since = time.monotonic()
+        self.train_s, self.train_steps = self.train_s + self.trainer_idle_since - t0, self.train_steps + 1
 
     def _check_staleness(self, cmd: Train, samples: list) -> tuple[int, int]:
         """(min, max) staleness of every token trained in this step, which must keep the mode's guarantee
