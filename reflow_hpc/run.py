@@ -183,9 +183,10 @@ def _pump(stream, out, tail: list[str]) -> None:
 
 
 def check_sandbox(cfg: Config) -> None:
-    """A run whose model may call the ``python`` tool needs a sandbox tier this machine offers (one-line
-    config error naming what to install or set: ``sandbox.require_tier``)."""
-    if "python" in [n.strip() for n in cfg.task.tools.split(",")]:
+    """A run whose model may call the ``python`` tool, or whose task judges code (``code_*``), needs a
+    sandbox tier this machine offers (one-line config error naming what to install or set:
+    ``sandbox.require_tier``)."""
+    if "python" in [n.strip() for n in cfg.task.tools.split(",")] or cfg.task.name.startswith("code_"):
         from .sandbox import require_tier
         require_tier(cfg)
 

@@ -8,7 +8,8 @@ is the one scorer of math answers (``envs/math_score.py``). It imports neither t
 from .task import (Episode, Observation, Prompt, Task, make_task, prompt_token_ids, register_task,
                    task_names)
 from .math_score import math_reward
-from . import arithmetic, calculator_tool, math_boxed  # noqa: F401  (registration)
+from . import (arithmetic, calculator_tool, code_apps, code_humaneval, code_synth,  # noqa: F401  (registration)
+               math_boxed, retool)
 
 __all__ = ["Episode", "Observation", "Prompt", "Task", "make_task", "math_reward", "prompt_token_ids",
            "register_task", "task_names"]

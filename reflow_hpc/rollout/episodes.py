@@ -389,7 +389,8 @@ class EpisodeRunner:
         st.sample_s += time.monotonic() - s.started_at
         p = len(s.prompt_tokens)
         reward = float(reward)
-        meta = {"turns": s.episode.turns, "answer": s.prompt.answer, "version": version,
+        meta = {"turns": s.episode.turns, "tool_calls": s.episode.tool_calls, "answer": s.prompt.answer,
+                "version": version,
                 **({"handed_from": s.handed_from} if s.handed_from >= 0 else {})}
         if self.shaping is not None:
             meta["task_reward"] = reward

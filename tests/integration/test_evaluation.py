@@ -60,3 +60,24 @@ def test_sampled_scores_split_the_answer_form_from_the_answer(policy_dir):
     assert 0.0 < out["well_formed"] <= 1.0, out
     assert abs(out["reward"] - out["well_formed"] * out["well_formed_reward"]) < 1e-12, out
     assert task.well_formed(fresh.prompts[0], "1+2 = 3\n#### 3") and not task.well_formed(fresh.prompts[0], "answer: 3")
+
+
+def test_sampled_scores_split_samples_that_called_a_tool(policy_dir):
+    """A multi-turn task's scores say how many samples called a tool, and the reward of those that did and
+    did not: together they make up the mean exactly."""
+    from reflow_hpc.evaluation import sampled_scores
+    from reflow_hpc.policy import load_policy
+
+    cfg = C.load(None, [f"model.path={policy_dir}", "run.eval_samples=4", "rollout.max_new_tokens=64",
+                        "task.name=calculator_tool"])
+    task = make_task(cfg)
+    model, tok = load_policy(policy_dir, "float32", "cpu")
+    fresh, _ = prompt_sets(task, 16)
+    out = sampled_scores(cfg, model, tok, task, fresh)
+    f = out["tool_fraction"]
+    assert 0.0 <= f <= 1.0, out
+    parts = [(f, out["tool_reward"]), (1 - f, out["no_tool_reward"])]
+    assert abs(out["reward"] - sum(w * r for w, r in parts if w > 0)) < 1e-12, out
+    assert "tool_fraction" not in sampled_scores(C.load(None, [f"model.path={policy_dir}", "run.eval_samples=1"]),
+                                                 model, tok, make_task(C.load(None, [f"model.path={policy_dir}"])),
+                                                 fresh)

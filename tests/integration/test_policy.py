@@ -55,6 +55,32 @@ def test_tokenizer_one_token_per_character_and_markers():
     assert tok.decode(tok.encode("é", add_special_tokens=False)) == "<unk>"
 
 
+def test_byte_tokenizer_encodes_any_utf8_text_one_token_per_byte(tmp_path):
+    from transformers import AutoTokenizer
+
+    from reflow_hpc.envs.tokenizer import build_byte_tokenizer, build_tokenizer
+
+    tok = build_byte_tokenizer()
+    texts = [*TEXTS, "def f(xs):\n\treturn sum(xs)  # ∑ — é 世界\x00\x7f", "\u00a0\U0001f600 ÿ"]
+    for text in texts:
+        raw = tok.encode(text, add_special_tokens=False)
+        plain = text
+        for m in MARKERS:                        # a tool marker is one token, as in the char tokenizer
+            plain = plain.replace(m, "\x01")
+        assert len(raw) == len(plain.encode()) and tok.unk_token_id not in raw
+        assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    assert [tok.encode(chr(b), add_special_tokens=False)[0] for b in range(0x20, 0x7f)] == \
+        [4 + len(MARKERS) + b for b in range(0x20, 0x7f)]          # byte order: ids are stable
+    for m in MARKERS:
+        assert len(tok.encode(m, add_special_tokens=False)) == 1
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert again.decode(again.encode(texts[-2]), skip_special_tokens=True) == texts[-2]
+    assert len(build_tokenizer("byte")) == 4 + len(MARKERS) + 256
+    with pytest.raises(ValueError, match="char or byte"):
+        build_tokenizer("words")
+
+
 def test_every_builtin_task_text_tokenizes_without_unk(tmp_path):
     tok = build_char_tokenizer()
     for name in ("arithmetic", "calculator_tool"):

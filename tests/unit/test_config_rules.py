@@ -45,7 +45,7 @@ PLUGIN = textwrap.dedent('''
 # (overrides, the one line every entry point must print). The messages are those the run printed
 # before the rules moved into config.
 BAD = [
-    (["task.name=chess"], 'config error: task.name = "chess": allowed: arithmetic, calculator_tool, math_boxed'),
+    (["task.name=chess"], 'config error: task.name = "chess": allowed: arithmetic, calculator_tool, code_apps, code_humaneval, code_synth, math_boxed, retool'),
     (["task.min_terms=5", "task.max_terms=3"], "config error: task.min_terms = 5: must be ≤ task.max_terms (3)"),
     (["rollout.max_model_len=1"], "config error: rollout.max_model_len = 1: must be 0 (the model's length) or ≥ 2"),
     (["rollout.max_model_len=99999"], "config error: rollout.max_model_len = 99999: must be ≤ "

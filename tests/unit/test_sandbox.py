@@ -51,6 +51,9 @@ def test_the_main_job_refuses_a_python_tool_without_a_tier(no_isolation):
     check_sandbox(load(None, ["model.warmstart=true"], check_files=False))         # calculator only: no check
     with pytest.raises(ConfigError, match="sandbox.allow_weak"):
         check_sandbox(load(None, ["model.warmstart=true", "task.tools=calculator,python"], check_files=False))
+    with pytest.raises(ConfigError, match="sandbox.allow_weak"):      # a coding task judges code in the sandbox
+        check_sandbox(load(None, ["model.warmstart=true", "task.name=code_synth", "task.tools=python"],
+                           check_files=False))
 
 
 def test_the_best_usable_tier_is_chosen(monkeypatch):
