@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 from .arithmetic import ANSWER_MARKER, Arithmetic
 from .task import Episode, Observation, Prompt, register_task
-from .tools import (CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN, ToolCall, call_body, make_tools,
-                    parse_tool_call, run_call)
+from .tools import (CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN, ToolCall, call_body, make_tools, run_call,
+                    tool_turn)
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -64,14 +64,7 @@ class CalculatorTool(Arithmetic):
         return f"{RESULT_OPEN}{out}{RESULT_CLOSE}"
 
     def observe(self, episode: Episode, turn_text: str) -> Observation:
-        call = parse_tool_call(turn_text, self.tool_order)
-        if call is None:
-            return Observation(done=True, finish_reason="stop")
-        if episode.turns >= self.max_turns:
-            return Observation(done=True, finish_reason="turns")
-        episode.tool_calls += 1
-        out, error = run_call(self.tools, call)
-        return Observation(out, done=False, tool=call.name or "?", error=error)
+        return tool_turn(self.tools, self.max_turns, episode, turn_text)
 
     def solution_segments(self, prompt: Prompt) -> list[tuple[str, bool]]:
         """One call with the whole expression, its result, then the answer line."""

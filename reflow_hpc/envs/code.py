@@ -24,7 +24,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from .task import Episode, Observation, Task
-from .tools import CALL_CLOSE, RESULT_CLOSE, call_body, make_tools, parse_tool_call, run_call
+from .tools import CALL_CLOSE, RESULT_CLOSE, call_body, make_tools, tool_turn
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -85,14 +85,7 @@ class CodeTask(Task):
         return code_sandbox(self.cfg)
 
     def observe(self, episode: Episode, turn_text: str) -> Observation:
-        call = parse_tool_call(turn_text, self.tool_order)
-        if call is None:
-            return Observation(done=True, finish_reason="stop")
-        if episode.turns >= self.max_turns:
-            return Observation(done=True, finish_reason="turns")
-        episode.tool_calls += 1
-        out, error = run_call(self.tools, call)
-        return Observation(out, done=False, tool=call.name or "?", error=error)
+        return tool_turn(self.tools, self.max_turns, episode, turn_text)
 
     def well_formed(self, prompt: Any, response: str) -> bool:
         """The response ends with code that parses (right or wrong)."""

@@ -52,12 +52,11 @@ working code, and every sample is scored 0 — the run is a systems check, not a
 
 from __future__ import annotations
 
-import random
 from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError, apps_rows
 from .code import CodeTask, final_code, parses
-from .task import Prompt, register_task
+from .task import Prompt, RowSplits, register_task
 
 if TYPE_CHECKING:
     from ..config import AppsRow, Config
@@ -102,7 +101,7 @@ def with_solution_shim(code: str, fn_name: str) -> str:
 
 
 @register_task("code_apps")
-class CodeApps(CodeTask):
+class CodeApps(RowSplits, CodeTask):
     """APPS problems: multi-turn with the python tool, rewarded by the hidden tests (module docstring)."""
 
     def __init__(self, cfg: "Config"):
@@ -113,37 +112,14 @@ class CodeApps(CodeTask):
         t = cfg.task
         self.all_or_nothing = t.test_reward == "all"
         self.case_timeout_s = t.test_timeout_s
-        self.shuffle = cfg.data.shuffle
         self.rows = apps_rows(cfg)
-        self.split_rows: dict[str, list[int]] = {"train": [], "eval": []}
-        for i, row in enumerate(self.rows):
-            self.split_rows["eval" if self.in_eval_split(row.question) else "train"].append(i)
-        self._orders: dict[tuple[str, int], list[int]] = {}
+        self.split_by_text((row.question for row in self.rows), shuffle=cfg.data.shuffle,
+                           source=f" of {cfg.data.path}")
 
     # -- prompts ----------------------------------------------------------------------------
 
-    def size(self, split: str = "train") -> int:
-        self.check_split(split)
-        return len(self.split_rows[split])
-
-    def _order(self, split: str, epoch: int) -> list[int]:
-        key = (split, epoch)
-        if key not in self._orders:
-            order = list(self.split_rows[split])
-            if self.shuffle:
-                random.Random(f"{self.name}:{self.seed}:{split}:{epoch}").shuffle(order)
-            if len(self._orders) > 4:   # only the current epochs are ever asked for
-                self._orders.clear()
-            self._orders[key] = order
-        return self._orders[key]
-
     def prompt(self, index: int, split: str = "train") -> Prompt:
-        n = self.size(split)
-        if n == 0:
-            raise ValueError(f"task {self.name}: the {split} split of {self.cfg.data.path} is empty "
-                             f"(task.eval_fraction = {self.eval_fraction})")
-        epoch, pos = divmod(index, n)
-        row_id = self._order(split, epoch)[pos]
+        row_id = self.row_of(index, split)
         row = self.rows[row_id]
         meta = {"split": split, "problem_id": row.problem_id, "tests": len(row.inputs),
                 "kind": "call" if row.fn_name else "stdio"}

@@ -47,7 +47,6 @@ import importlib.resources
 import importlib.util
 import json
 import math
-import random
 import re
 import threading
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..config import HUMANEVAL_MISSING, ConfigError
 from ..sandbox.judge import call_function, outputs_match
 from .code import CodeTask, final_code, parses
-from .task import Prompt, register_task
+from .task import Prompt, RowSplits, register_task
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -159,7 +158,7 @@ PROPERTIES: dict[str, Callable[[str, Any], bool]] = {"HumanEval/32": _poly_root}
 
 
 @register_task("code_humaneval")
-class CodeHumanEval(CodeTask):
+class CodeHumanEval(RowSplits, CodeTask):
     """HumanEval, rewarded by the fraction (or all) of the canonical solution's test inputs a candidate
     answers like it; see the module docstring."""
 
@@ -171,37 +170,14 @@ class CodeHumanEval(CodeTask):
         self.test_reward = cfg.task.test_reward
         self.test_timeout_s = cfg.task.test_timeout_s
         self.texts = [INSTRUCTION.format(prompt=p.prompt) for p in self.problems]
-        self.split_rows: dict[str, list[int]] = {"train": [], "eval": []}
-        for i, text in enumerate(self.texts):
-            self.split_rows["eval" if self.in_eval_split(text) else "train"].append(i)
-        self._orders: dict[tuple[str, int], list[int]] = {}
+        self.split_by_text(self.texts, shuffle=True)
         self._cases: dict[int, Cases] = {}
         self._collecting: dict[int, threading.Lock] = {}
 
     # -- prompts ----------------------------------------------------------------------------
 
-    def size(self, split: str = "train") -> int:
-        self.check_split(split)
-        return len(self.split_rows[split])
-
-    def _order(self, split: str, epoch: int) -> list[int]:
-        key = (split, epoch)
-        order = self._orders.get(key)
-        if order is None:
-            order = list(self.split_rows[split])
-            random.Random(f"{self.name}:{self.seed}:{split}:{epoch}").shuffle(order)
-            if len(self._orders) > 4:   # only the current epochs are ever asked for
-                self._orders.clear()
-            self._orders[key] = order
-        return order
-
     def prompt(self, index: int, split: str = "train") -> Prompt:
-        n = self.size(split)
-        if n == 0:
-            raise ValueError(f"task {self.name}: the {split} split is empty "
-                             f"(task.eval_fraction = {self.eval_fraction})")
-        epoch, pos = divmod(index, n)
-        row = self._order(split, epoch)[pos]
+        row = self.row_of(index, split)
         return Prompt(row, self.texts[row], self.problems[row].task_id, {"split": split})
 
     def solution(self, prompt: Prompt) -> str:

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 from .code import CodeTask, final_code, parses
 from .task import Episode, Observation, Prompt, register_task
-from .tools import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN, ToolCall, parse_tool_call, run_call
+from .tools import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN, ToolCall, tool_turn
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -307,16 +307,14 @@ class CodeSynth(CodeTask):
 
     def observe(self, episode: Episode, turn_text: str) -> Observation:
         """CodeTask's turns; a python call runs after :func:`check_preamble` of the prompt's examples."""
-        call = parse_tool_call(turn_text, self.tool_order)
-        if call is not None and call.name == "python" and not call.error and episode.turns < self.max_turns:
-            args = dict(call.arguments)
-            key = "code" if "code" in args else "_plain"
-            if isinstance(args.get(key), str):
-                args[key] = check_preamble(episode.prompt.meta["public"], episode.prompt.meta["steps"]) + args[key]
-                episode.tool_calls += 1
-                out, error = run_call(self.tools, ToolCall(call.name, args))
-                return Observation(out, done=False, tool=call.name, error=error)
-        return super().observe(episode, turn_text)
+        def with_preamble(call: ToolCall) -> ToolCall:
+            key = "code" if "code" in call.arguments else "_plain"
+            if call.name != "python" or not isinstance(call.arguments.get(key), str):
+                return call
+            meta = episode.prompt.meta
+            return ToolCall(call.name, {**call.arguments, key: check_preamble(meta["public"], meta["steps"])
+                                        + call.arguments[key]})
+        return tool_turn(self.tools, self.max_turns, episode, turn_text, with_preamble)
 
 
 CHECK_CALL = "check(f)"

@@ -20,12 +20,11 @@ without this module.
 from __future__ import annotations
 
 import importlib.util
-import random
 from typing import TYPE_CHECKING
 
 from ..config import ConfigError, data_rows
 from .math_score import extract_answer, math_reward
-from .task import Prompt, Task, register_task
+from .task import Prompt, RowSplits, Task, register_task
 
 if TYPE_CHECKING:
     from ..config import Config, DataRow
@@ -37,7 +36,7 @@ def load_rows(cfg: "Config") -> list["DataRow"]:
 
 
 @register_task("math_boxed")
-class MathBoxed(Task):
+class MathBoxed(RowSplits, Task):
     r"""Prompts and reference answers from a file; reward 1 when the stated answer (``Answer: X`` or
     ``\boxed{X}``) equals the reference, by ``math_reward``."""
 
@@ -46,35 +45,11 @@ class MathBoxed(Task):
         if importlib.util.find_spec("math_verify") is None:   # fail at start, not at the first reward
             raise ConfigError("task.name", cfg.task.name, "scoring math answers needs math-verify, which is not "
                                                           "installed (pip install -e '.[math]')")
-        self.shuffle = cfg.data.shuffle
         self.rows = load_rows(cfg)
-        self.split_rows: dict[str, list[int]] = {"train": [], "eval": []}
-        for i, (text, _, _) in enumerate(self.rows):
-            self.split_rows["eval" if self.in_eval_split(text) else "train"].append(i)
-        self._orders: dict[tuple[str, int], list[int]] = {}
-
-    def size(self, split: str = "train") -> int:
-        self.check_split(split)
-        return len(self.split_rows[split])
-
-    def _order(self, split: str, epoch: int) -> list[int]:
-        key = (split, epoch)
-        if key not in self._orders:
-            order = list(self.split_rows[split])
-            if self.shuffle:
-                random.Random(f"{self.name}:{self.seed}:{split}:{epoch}").shuffle(order)
-            if len(self._orders) > 4:   # only the current epochs are ever asked for
-                self._orders.clear()
-            self._orders[key] = order
-        return self._orders[key]
+        self.split_by_text((text for text, _, _ in self.rows), shuffle=cfg.data.shuffle, source=f" of {cfg.data.path}")
 
     def prompt(self, index: int, split: str = "train") -> Prompt:
-        n = self.size(split)
-        if n == 0:
-            raise ValueError(f"task {self.name}: the {split} split of {self.cfg.data.path} is empty "
-                             f"(task.eval_fraction = {self.eval_fraction})")
-        epoch, pos = divmod(index, n)
-        row = self._order(split, epoch)[pos]
+        row = self.row_of(index, split)
         text, answer, messages = self.rows[row]
         return Prompt(row, text, answer, {"split": split}, messages)
 

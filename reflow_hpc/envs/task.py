@@ -41,6 +41,7 @@ neither torch nor transformers.
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
@@ -161,6 +162,44 @@ class Task:
     def check_split(split: str) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}")
+
+
+class RowSplits:
+    """Prompts from a fixed list of rows (a file's records, a package's problems), mixed into a Task before
+    it: :meth:`split_by_text` puts each row into train or eval by the hash of its text
+    (``task.eval_fraction``), and index ``i`` of a split walks that split's rows in an order reshuffled
+    every epoch from ``run.seed`` (``shuffle``), so a run may draw more prompts than there are rows."""
+
+    split_rows: dict[str, list[int]]
+
+    def split_by_text(self, texts: Any, *, shuffle: bool, source: str = "") -> None:
+        """``source``: where the rows come from, for the error of an empty split (" of FILE")."""
+        self.shuffle, self._rows_source = shuffle, source
+        self.split_rows = {"train": [], "eval": []}
+        for i, text in enumerate(texts):
+            self.split_rows["eval" if self.in_eval_split(text) else "train"].append(i)
+        self._orders: dict[tuple[str, int], list[int]] = {}
+
+    def size(self, split: str = "train") -> int:
+        self.check_split(split)
+        return len(self.split_rows[split])
+
+    def row_of(self, index: int, split: str) -> int:
+        """The row that prompt ``index`` of ``split`` is."""
+        n = self.size(split)
+        if n == 0:
+            raise ValueError(f"task {self.name}: the {split} split{self._rows_source} is empty "
+                             f"(task.eval_fraction = {self.eval_fraction})")
+        epoch, pos = divmod(index, n)
+        key = (split, epoch)
+        if key not in self._orders:
+            order = list(self.split_rows[split])
+            if self.shuffle:
+                random.Random(f"{self.name}:{self.seed}:{split}:{epoch}").shuffle(order)
+            if len(self._orders) > 4:   # only the current epochs are ever asked for
+                self._orders.clear()
+            self._orders[key] = order
+        return self._orders[key][pos]
 
 
 class Episode:

@@ -49,21 +49,11 @@ def build_tokenizer(kind: str, max_length: int = 256) -> Any:
 
 def build_byte_tokenizer(max_length: int = 2048) -> Any:
     """A ``PreTrainedTokenizerFast`` over the special tokens, the tool markers and the 256 byte symbols."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import decoders, pre_tokenizers
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + MARKERS + byte_symbols())}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     # No regex split and no prefix space: the bytes of the text, in order, and nothing else.
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKERS])
-    core.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   unk_token=UNK, clean_up_tokenization_spaces=False,
-                                   model_max_length=max_length)
+    return _build(SPECIAL + MARKERS + byte_symbols(), max_length, decoders.ByteLevel(),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
 
 
 def byte_symbols() -> tuple[str, ...]:
@@ -82,12 +72,22 @@ def byte_symbols() -> tuple[str, ...]:
 
 def build_char_tokenizer(max_length: int = 256) -> Any:
     """A fresh ``PreTrainedTokenizerFast`` over :func:`vocabulary` (``max_length`` = model context)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from tokenizers import decoders
+
+    return _build(tuple(vocabulary()), max_length, decoders.Fuse())   # Fuse: no spaces between characters
+
+
+def _build(tokens: tuple[str, ...], max_length: int, decoder: Any, pre_tokenizer: Any = None) -> Any:
+    """A BPE model without merges over ``tokens`` (ids in order): the special tokens special, the tool
+    markers ordinary single tokens, ``<bos>`` prepended by ``encode``."""
+    from tokenizers import AddedToken, Tokenizer, models, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = vocabulary()
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    core.decoder = decoders.Fuse()   # concatenate: no spaces between characters
+    if pre_tokenizer is not None:
+        core.pre_tokenizer = pre_tokenizer
+    core.decoder = decoder
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKERS])
     core.post_processor = processors.TemplateProcessing(

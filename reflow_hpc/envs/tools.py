@@ -51,13 +51,13 @@ import abc
 import json
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ..plugins import register_tool, tool_class, tool_names
 from .safe_math import Limits, ToolError as CalculatorError, evaluate, format_number
-from .task import RESULT_CLOSE as RESULT_CLOSE, RESULT_OPEN as RESULT_OPEN, Observation
+from .task import RESULT_CLOSE as RESULT_CLOSE, RESULT_OPEN as RESULT_OPEN, Episode, Observation
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -221,6 +221,23 @@ def run_call(tools: dict[str, Tool], call: ToolCall) -> tuple[str, str]:
         return str(tool.run(args)), ""
     except ToolError as e:
         return f"error: {e}", str(e)
+
+
+def tool_turn(tools: dict[str, Tool], max_turns: int, episode: Episode, turn_text: str,
+              rewrite: Callable[[ToolCall], ToolCall] | None = None) -> Observation:
+    """What a multi-turn task observes after a model turn: a turn that ends with a tool call gets the call's
+    output (``rewrite`` may change a well-formed call first, e.g. to run a preamble before its code), any
+    other ends the sample (stop), and a call in the last of ``max_turns`` turns is not run (turns)."""
+    call = parse_tool_call(turn_text, tuple(tools))
+    if call is None:
+        return Observation(done=True, finish_reason="stop")
+    if episode.turns >= max_turns:
+        return Observation(done=True, finish_reason="turns")
+    episode.tool_calls += 1
+    if rewrite is not None and not call.error:
+        call = rewrite(call)
+    out, error = run_call(tools, call)
+    return Observation(out, done=False, tool=call.name or "?", error=error)
 
 
 # --------------------------------------------------------------------------------------------
