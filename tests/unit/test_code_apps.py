@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, sandbox_or_skip
 from reflow_hpc import config as C
 from reflow_hpc import envs
 from reflow_hpc.envs.code_apps import ANSWER_CALL, ANSWER_STDIO, call_output_match
@@ -162,12 +162,8 @@ def test_case_results_keep_the_lines_written_before_an_early_end():
 
 @pytest.fixture(scope="module")
 def task():
-    from reflow_hpc.sandbox import require_tier
     cfg = load()
-    try:
-        require_tier(cfg)
-    except C.ConfigError as e:
-        pytest.skip(f"no usable sandbox tier: {e}")
+    sandbox_or_skip(cfg)
     return envs.make_task(cfg)
 
 
@@ -258,12 +254,8 @@ def test_call_based_problems(task):
 
 
 def test_all_or_nothing():
-    from reflow_hpc.sandbox import require_tier
     cfg = load("task.test_reward=all")
-    try:
-        require_tier(cfg)
-    except C.ConfigError as e:
-        pytest.skip(f"no usable sandbox tier: {e}")
+    sandbox_or_skip(cfg)
     task = envs.make_task(cfg)
     p = by_id(task, 0)
     assert task.reward(p, answer("n = int(input())\nprint(n * n)")) == 0.0

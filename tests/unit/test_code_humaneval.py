@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conftest import sandbox_or_skip
 from reflow_hpc import config as C
 from reflow_hpc.envs.task import Prompt
 
@@ -29,11 +30,9 @@ def task():
     if not HAVE_HUMANEVAL:
         pytest.skip(MISSING)
     from reflow_hpc.envs.code_humaneval import CodeHumanEval
-    from reflow_hpc.sandbox import Sandbox, tiers
+    from reflow_hpc.sandbox import Sandbox
     c = cfg("sandbox.concurrency=2")
-    tier, why = tiers.choose(c.sandbox.tier, c.sandbox.allow_weak)
-    if tier is None:
-        pytest.skip(f"no usable sandbox tier here: {why}")
+    sandbox_or_skip(c)
     box = Sandbox(c.sandbox, quiet=True)
     box.start()
     t = CodeHumanEval(c)

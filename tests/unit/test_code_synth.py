@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from conftest import sandbox_or_skip
 from reflow_hpc.config import load
 from reflow_hpc.envs import make_task
 from reflow_hpc.envs.code import parses
@@ -85,10 +86,7 @@ def test_the_teachers_demonstrations_are_valid_code_with_bugs_at_its_rate():
 
 @pytest.fixture(scope="module")
 def sandboxed():
-    from reflow_hpc.sandbox import choose
-    tier, why = choose("auto", False)
-    if tier is None:
-        pytest.skip(f"no sandbox tier is usable here: {why}")
+    sandbox_or_skip(load(None, SETS, check_files=False))
     return task("sandbox.concurrency=1")
 
 

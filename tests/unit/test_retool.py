@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, sandbox_or_skip
 from reflow_hpc import config as C
 from reflow_hpc import envs
 from reflow_hpc.envs.retool import TOOL_HINT
@@ -66,12 +66,8 @@ def test_the_warm_start_falls_back_to_arithmetic():
 
 @pytest.fixture(scope="module")
 def task():
-    from reflow_hpc.sandbox import require_tier
     cfg = load()
-    try:
-        require_tier(cfg)
-    except C.ConfigError as e:
-        pytest.skip(f"no usable sandbox tier: {e}")
+    sandbox_or_skip(cfg)
     return envs.make_task(cfg)
 
 
