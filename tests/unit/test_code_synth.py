@@ -134,3 +134,13 @@ def test_the_interpreter_checks_the_public_examples_as_the_demonstrations_say(sa
     p = t.prompt(0)
     obs = Episode(t, p).step("<tool_call>" + t.solution(p) + "\nprint(f([]))</tool_call>")
     assert obs.text == "<tool_response>0\n</tool_response>" and not obs.error
+
+
+def test_the_python_tool_is_required_at_load_and_by_the_task():
+    from reflow_hpc.config import ConfigError
+    with pytest.raises(ConfigError, match='task.tools = "calculator": task code_synth needs the python tool'):
+        load(None, [*SETS, "task.tools=calculator"], check_files=False)
+    unchecked = load(None, SETS, check_files=False)
+    unchecked.task.tools = "calculator"                     # a config built without validation
+    with pytest.raises(ConfigError, match="needs the python tool"):
+        make_task(unchecked)
