@@ -38,7 +38,7 @@ def coordinator_settings(cfg: Config, *, workers: int | None = None, replica_siz
         min_trainers=sch.min_trainers, min_rollouts=sch.min_rollouts, batch_size=cfg.trainer.batch_size,
         sigma=cfg.reflow.sigma, ema_alpha=sch.placement_ema, cooldown_steps=sch.cooldown_steps,
         margin=sch.placement_margin, starve_idle=sch.starve_idle,
-        switch_cost_s=sch.switch_cost_s) if reflow and sch.elastic else None
+        switch_cost_s=sch.switch_cost_s, delta=cfg.reflow.delta) if reflow and sch.elastic else None
     schedule = tuple((int(a), int(b)) for a, _, b in (x.partition(":") for x in sch.placement_schedule)) \
         if reflow else ()
     refills = fresh_filter(cfg) != "accept_all"             # a fresh filter may leave batches short

@@ -41,6 +41,8 @@ Per-step names written by the coordinator (docs/api.md is the reference; every r
 | ``role_switch_seconds/to_trainer``, ``role_switch_seconds/to_rollout`` | the slowest worker's switch, each direction, in the step a switch completed |
 | ``role_switch/handed_off`` | samples a worker leaving rollout handed over to the others, in a step with a switch |
 | ``placement/mismatch`` | the placement planner's abs(log(fresh coverage / (1−σ)·b)) for the split in force |
+| ``placement/coverage_predicted``, ``placement/coverage_observed`` | usable fresh samples of the step: the planner's prediction from the windows before it (its rates and usable fraction at the step's busy rollout time and step time), and what happened (fresh samples finished × (1 − the share of fresh fates that were evictions as too stale)) |
+| ``placement/step_predicted_s`` | the step time the planner predicted for the split in force before the step |
 | ``gpu/util/<rank>``, ``gpu/mem_gib/<rank>``, ``gpu/power_w/<rank>`` | on CUDA with ``nvidia-ml-py``: each rank's device utilisation (%), memory in use (GiB) and power draw (W) |
 
 Evaluation records (``"kind": "eval"``; step records carry no kind), one per policy scored after the run
@@ -112,6 +114,8 @@ class StepMetrics:
         record["pool/trainers"] = sum(1 for r in rec.roles.values() if r.startswith("trainer"))
         record["pool/rollouts"] = sum(1 for r in rec.roles.values() if r.endswith("rollout"))
         record["placement/mismatch"] = rec.placement_mismatch
+        record["placement/coverage_predicted"], record["placement/coverage_observed"] = rec.placement_coverage
+        record["placement/step_predicted_s"] = rec.placement_step_s
         for sw in rec.switches:
             record["role_switch/handed_off"] = sw["handed_off"]
             for direction in ("to_trainer", "to_rollout"):

@@ -54,6 +54,7 @@ class Batch:
     rewards: tuple[float, ...]
     times_used: tuple[int, ...]     # before this step
     queue_s: tuple[float, ...]      # time from finished to this batch
+    production_s: tuple[float, ...]  # time from dispatch to finished
     replay_fraction: float          # λ = replay samples / b
     alpha: float                    # τλ / (1 - λ + τλ)
 
@@ -129,6 +130,7 @@ class Composer:
             rewards=tuple([rec.reward for rec in recs]),
             times_used=tuple([rec.times_used for rec in recs]),
             queue_s=tuple([now - rec.finished_at for rec in recs]),
+            production_s=tuple([rec.finished_at - rec.created_at for rec in recs]),
             replay_fraction=lam,
             alpha=mixing_weight(lam, self.tau),
         )

@@ -147,7 +147,7 @@ class Coordinator:
                                 planner=settings.placement, schedule=settings.placement_schedule)
         self.dispatcher = Dispatcher(workers, GenerationScheduler(
             settings.scheduling, list(rollouts), cap_max=settings.cap_max, kv_budget=settings.kv_budget))
-        self.training = TrainingStep(workers)
+        self.training = TrainingStep(workers, production=self.pool.planner is not None)
         self.weight_sync = WeightSyncRound()
         self.checkpoints = Checkpointing(settings.checkpoint_every)
         self.liveness = Liveness(workers, timeout_s=settings.timeout_s, setup_timeout_s=settings.setup_timeout_s)
@@ -269,7 +269,7 @@ class Coordinator:
 
     def _samples_finished(self, e: ev.SamplesFinished) -> None:
         worker, now, samples, idle_s, generated, load = e
-        self.training.progress(worker, idle_s, generated)
+        self.training.progress(worker, idle_s, generated, samples, self.index, now)
         log, finished = self.settings.event_log, self.dispatcher.finished
         for s in samples:
             if log:                              # (the arguments alone cost a simulated sample ~10 %)

@@ -38,6 +38,7 @@ class ElasticPool:
         self.seconds: dict[str, float] = {}                 # slowest switch per direction
         self.placements: list[tuple[int, int]] = []         # (step, trainer replicas) at every change
         self.handed_over = 0                                # samples handed from a leaving rollout worker
+        self.evicted_unused = 0                             # the index's count at the previous step
 
     @property
     def replicas(self) -> int:
@@ -90,10 +91,18 @@ class ElasticPool:
             step_s = max(rec.done_at - rec.started_at, 1e-9)
             idle_t = _mean([r.idle_s for r in rec.replicas]) / step_s if rec.replicas else 0.0
             idle_r = rec.rollout_idle_s / (rec.rollout_workers * step_s) if rec.rollout_workers else 0.0
-            new = self.planner.observe(Window(rec.produced, step_s, min(1.0, idle_t), min(1.0, idle_r),
-                                              replay_supply=rec.gauges.get("buffer/replay", 0) if replays else 0),
-                                       steps_left=steps - steps_done)
+            evicted = rec.gauges.get("buffer/evicted_unused", 0)
+            b = rec.batch
+            trained_fresh = [(st, g) for st, g, rep in zip(b.staleness, b.production_s, b.is_replay) if not rep]
+            window = Window(rec.produced, step_s, min(1.0, idle_t), min(1.0, idle_r),
+                            replay_supply=rec.gauges.get("buffer/replay", 0) if replays else 0,
+                            production=rec.production, trained_fresh=trained_fresh,
+                            evicted_unused=max(0, evicted - self.evicted_unused))
+            self.evicted_unused = evicted
+            new = self.planner.observe(window, steps_left=steps - steps_done)
             rec.placement_mismatch = self.planner.last_mismatch
+            rec.placement_coverage = self.planner.last_coverage
+            rec.placement_step_s = self.planner.last_step_predicted
             if new is not None and steps_done < steps:
                 self.pending = new
 

@@ -23,20 +23,39 @@ of busy time would inflate ``p`` a hundredfold on the samples that happened to f
 ranks: log mismatches of 5–7, that is a supply predicted 150–1,000 times too large, for the rest of
 the run). As a ratio of sums such a window weighs by the busy time it had.
 
+Usable, not produced. A fresh sample counts only if it is still within δ when a step trains it, and
+how many are depends on the split: a sample that takes ``g`` seconds from dispatch to finish spans
+``g / step`` versions, so the faster a split steps, the more of the long tail arrives too stale. Per
+window the planner folds in, by response-length bucket (powers of two of tokens), how many fresh
+samples finished and their mean production time ``g_k`` (smoothed like ``p``); and, from the fresh
+samples the step trained, the offset ``c`` = mean(staleness − g / step) (smoothed): the weight-sync
+lag, where in a step a sample started, and its wait in the pool. Staleness at training is modelled
+as ``floor(g / step + U) + c``, ``U`` uniform on [0, 1) (its mean less ``g / step`` is then ``c``),
+so a sample of bucket ``k`` is usable with probability ``clamp(δ + 1 − c − g_k / step, 0, 1)``; the
+usable fraction ``u(step)`` is the buckets' mean weighted by their counts (1 when the mode has no
+staleness bound, or before anything was measured).
+
 Feasible placements are every ``(n_T, n_R)`` with ``n_T·s_T + n_R·s_R = W``, ``n_T ≥ 1`` and
 ``n_R ≥ 1`` (``s_T``, ``s_R``: workers per trainer replica and per rollout instance). For each the
-rates are extrapolated linearly (data-parallel replicas; independent engines) to a predicted step time::
+rates are extrapolated linearly (data-parallel replicas; independent engines, so ``g_k`` and ``c``
+stay) to a predicted step time, the fixed point of::
 
-    step'(n_T) = max(t / n_T', (b − r) / (p · n_R'))      trainer-bound or fresh-supply-bound
+    step'(n_T) = max(t / n_T', (b − r) / (p · n_R' · u(step')))      trainer-bound or supply-bound
 
-(``r`` smoothed like ``p`` and ``t``), and the placement that steps fastest is proposed (ties: the
-current placement, then more rollout workers). It is applied only when (1) at least
-``cooldown_steps`` steps passed since the last change, and (2) it is predicted to step faster by more
-than ``margin`` in log (hysteresis: noise around a balance point does not move workers back and
-forth).
+(``r`` smoothed like ``p`` and ``t``; ``u`` grows with the step time, so the fixed point is unique and
+found by bisection), and the placement that steps fastest is proposed (ties: the current placement,
+then more rollout workers). It is applied only when (1) at least ``cooldown_steps`` steps passed
+since the last change, and (2) it is predicted to step faster by more than ``margin`` in log
+(hysteresis: noise around a balance point does not move workers back and forth).
+
+Each window reports the coverage the planner predicted for it — its rates and ``u`` from before the
+window, applied to the window's busy rollout time and step time — beside the one observed: fresh
+samples finished × (1 − the share of the window's fresh fates that were evictions as too stale);
+and the step time it predicted for the split in force.
 
 The paper's Algorithm 1 proposes the placement of the smallest mismatch ``|log(coverage' / (b − r))|``,
-``coverage' = p · n_R' · t / n_T'`` the fresh samples produced during one trainer-bound step. It is
+``coverage' = p · n_R' · t / n_T' · u(t / n_T')`` the usable fresh samples produced during one
+trainer-bound step. It is
 kept as the reported balance of the placement in force (``placement/mismatch``), not as the choice:
 it scores an oversupply and an undersupply of equal log size alike, though they step at different
 speeds. On 4 CPU ranks it moved 2:2 → 3:1, where its one rollout worker starved three trainers,
@@ -71,6 +90,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -88,6 +108,7 @@ class PlacementSettings:
     margin: float = 0.15             # log of the predicted step time
     starve_idle: float = 0.05        # trainer wait (fraction of a step) that marks a placement as starved
     switch_cost_s: float = 10.0      # the least a switch is taken to cost (module docstring)
+    delta: int | None = None         # δ of the index (None: no staleness bound, every fresh sample usable)
 
 
 @dataclass(frozen=True)
@@ -98,6 +119,9 @@ class Window:
     idle_trainer: float              # fraction of the window
     idle_rollout: float
     replay_supply: float | None = None   # replay samples the next batch can draw (None: the σ·b it may)
+    production: Sequence[tuple[int, float]] = ()   # (response tokens, seconds dispatch → finish) per fresh sample
+    trained_fresh: Sequence[tuple[int, float]] = ()   # (staleness, production seconds) per fresh sample trained
+    evicted_unused: int = 0              # fresh samples that ended as too stale in the window, never trained
 
 
 class PlacementPlanner:
@@ -118,6 +142,11 @@ class PlacementPlanner:
         self.ceiling_rates = (0.0, 0.0)  # (p, t) when the ceiling was set
         self._here = [0.0, 0.0, 0.0, 0]  # Σ idle_T, Σ idle_R, Σ step_s, windows at this placement after its first
         self.switch_s = settings.switch_cost_s   # what a switch costs: the setting, or the latest measured if longer
+        self.buckets: dict[int, list[float]] = {}   # length bucket -> [samples, Σ production s], per window, smoothed
+        self.offset: float | None = None    # c: staleness − g / step of trained fresh samples, smoothed
+        self.window_s: float | None = None  # step time, smoothed (what c is measured against)
+        self.last_coverage = (math.nan, math.nan)   # (predicted, observed) usable fresh samples of the latest window
+        self.last_step_predicted = math.nan  # the step time predicted for the split in force before the window
 
     # -- feasible placements ------------------------------------------------------------------
 
@@ -141,7 +170,10 @@ class PlacementPlanner:
         ``steps_left``: optimizer steps the run has still to take (None: unbounded, no switch is too dear)."""
         self.steps_since_change += 1
         n_t = self.current
+        self.last_step_predicted = self.step_time(n_t)
+        predicted = self._busy_s(w, n_t) * self.rate * self.usable(w.step_s) if self.rate is not None else math.nan
         self._measure(w, n_t)
+        self.last_coverage = (predicted, self._observed_coverage(w))
         starved_step_s = self._starved(w)
         if self.ceiling is not None and self._rates_moved():
             self.ceiling = None
@@ -160,11 +192,22 @@ class PlacementPlanner:
             return None
         return self.proposed
 
+    def _busy_s(self, w: Window, n_t: int) -> float:
+        """Busy rollout worker-seconds of the window."""
+        return self.rollouts(n_t) * w.step_s * (1.0 - min(max(w.idle_rollout, 0.0), 1.0))
+
+    def _observed_coverage(self, w: Window) -> float:
+        """Fresh samples of the window that were usable: produced × (1 − stale share of fresh fates)."""
+        fates = len(w.trained_fresh) + w.evicted_unused
+        return w.produced * (1.0 - w.evicted_unused / fates) if fates else float(w.produced)
+
     def _measure(self, w: Window, n_t: int) -> None:
-        """Fold the window into the smoothed rates p, t and r (module docstring)."""
-        busy = self.rollouts(n_t) * w.step_s * (1.0 - min(max(w.idle_rollout, 0.0), 1.0))
+        """Fold the window into the smoothed rates p, t and r, the production times by length bucket and
+        the staleness offset c (module docstring)."""
+        busy = self._busy_s(w, n_t)
         t = w.step_s * (1.0 - min(w.idle_trainer, 0.999)) * n_t
         a = self.s.ema_alpha
+        self._measure_staleness(w, a)
         self._produced = w.produced if self._produced is None else a * w.produced + (1 - a) * self._produced
         self._busy = busy if self._busy is None else a * busy + (1 - a) * self._busy
         if self._busy > 0:
@@ -173,6 +216,32 @@ class PlacementPlanner:
         if w.replay_supply is not None:
             r = min(w.replay_supply, self.s.sigma * self.s.batch_size)
             self.supply = r if self.supply is None else a * r + (1 - a) * self.supply
+
+    def _measure_staleness(self, w: Window, a: float) -> None:
+        self.window_s = w.step_s if self.window_s is None else a * w.step_s + (1 - a) * self.window_s
+        if self.s.delta is None:
+            return
+        seen: dict[int, list[float]] = {}
+        for tokens, g in w.production:
+            b = seen.setdefault(max(int(tokens), 1).bit_length(), [0.0, 0.0])
+            b[0] += 1
+            b[1] += g
+        for k in set(self.buckets) | set(seen):
+            old, new = self.buckets.get(k, [0.0, 0.0]), seen.get(k, [0.0, 0.0])
+            self.buckets[k] = [a * new[0] + (1 - a) * old[0], a * new[1] + (1 - a) * old[1]]
+        if w.trained_fresh and self.window_s > 0:
+            c = sum(st - g / self.window_s for st, g in w.trained_fresh) / len(w.trained_fresh)
+            self.offset = c if self.offset is None else a * c + (1 - a) * self.offset
+
+    def usable(self, step_s: float) -> float:
+        """u(step): the share of fresh samples still within δ when trained, at this step time (docstring)."""
+        if self.s.delta is None or self.offset is None or not self.buckets or not step_s > 0:
+            return 1.0
+        room = self.s.delta + 1.0 - self.offset
+        total = sum(n for n, _ in self.buckets.values())
+        if total <= 0:
+            return 1.0
+        return sum(n * min(max(room - g / n / step_s, 0.0), 1.0) for n, g in self.buckets.values() if n > 0) / total
 
     def _propose(self, n_t: int, starved_step_s: float | None, rate: float,
                  train_s: float) -> tuple[dict[int, float], bool]:
@@ -195,8 +264,25 @@ class PlacementPlanner:
         """Predicted step time of the placement with ``n_t`` trainer replicas (module docstring)."""
         if self.rate is None or self.train_s is None:
             return math.nan
-        supply = self.rate * self.rollouts(n_t)
-        return max(self.train_s / n_t, self.fresh_target() / supply if supply > 0 else math.inf)
+        supply, need, floor = self.rate * self.rollouts(n_t), self.fresh_target(), self.train_s / n_t
+        if supply <= 0:
+            return math.inf
+
+        def gap(step: float) -> float:           # increasing in step: the fixed point is its root
+            u = self.usable(step)
+            return step - max(floor, need / (supply * u) if u > 0 else math.inf)
+
+        if gap(floor) >= 0:
+            return floor                         # trainer-bound
+        lo, hi = floor, max(floor, need / supply) * 2
+        while gap(hi) < 0:
+            lo, hi = hi, hi * 2
+            if hi > 1e9 * max(floor, 1e-9):
+                return math.inf                  # no step is slow enough to keep its samples within δ
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
+        return hi
 
     def _starved(self, w: Window) -> float | None:
         """The mean step time at this placement if its trainers waited for data while the rollout workers
@@ -234,7 +320,7 @@ class PlacementPlanner:
         if self.rate is None or self.train_s is None:
             return math.nan
         step = self.train_s / n_t
-        coverage = self.rate * self.rollouts(n_t) * step
+        coverage = self.rate * self.rollouts(n_t) * step * self.usable(step)
         return abs(math.log(max(coverage, 1e-12) / self.fresh_target()))
 
     def fresh_target(self) -> float:

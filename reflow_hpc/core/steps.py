@@ -12,7 +12,7 @@ step, from the cumulative figures they report.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .commands import Train, train_samples
 from .index import Batch, ReplayIndex
@@ -20,7 +20,7 @@ from .outputs import ReplicaReport, StepRecord
 
 
 class TrainingStep:
-    def __init__(self, workers: list[int]):
+    def __init__(self, workers: list[int], production: bool = False):
         self.batch: Batch | None = None          # the batch in training
         self.composed_at = 0.0
         self.waiting: set[int] = set()           # trainer ranks whose report is outstanding
@@ -31,6 +31,8 @@ class TrainingStep:
         self.generated = {w: 0 for w in workers}        # cumulative generated tokens, as reported
         self.generated_at_last_step = 0
         self.produced = 0                        # fresh samples finished since the last step
+        self.production: list[tuple[int, float]] = []   # their (tokens, production s), for the placement planner
+        self.records_production = production     # (only the elastic pool's planner reads them)
         self.switches: list[dict[str, Any]] = []  # role switches completed since the last step
         self.fresh_rewards: list[float] = []     # mean reward of each step's unused samples
 
@@ -40,8 +42,12 @@ class TrainingStep:
         k = max(1, min(50, len(rewards) // 10))
         return {"reward_first_steps": _mean(rewards[:k]), "reward_last_steps": _mean(rewards[-k:])}
 
-    def progress(self, worker: int, idle_s: float, generated_tokens: int) -> None:
-        """A worker's cumulative rollout idle time and generated tokens (they only grow)."""
+    def progress(self, worker: int, idle_s: float, generated_tokens: int, samples: Sequence[tuple[Any, ...]] = (),
+                 index: ReplayIndex | None = None, now: float = 0.0) -> None:
+        """A worker's cumulative rollout idle time and generated tokens (they only grow), and the tokens and
+        dispatch-to-finish seconds of the ``samples`` it finished that the index still holds."""
+        if self.records_production and index is not None:
+            self.production.extend((s[4], now - index.sample(s[0]).created_at) for s in samples if s[0] in index)
         if idle_s > self.rollout_idle[worker]:          # (comparisons: it runs for every finished sample)
             self.rollout_idle[worker] = idle_s
         if generated_tokens > self.generated[worker]:
@@ -94,8 +100,8 @@ class TrainingStep:
                          composed_at=self.composed_at, done_at=now, replicas=self.reports,
                          rollout_idle_s=idle, rollout_workers=len(rollouts),
                          generated_tokens=generated - self.generated_at_last_step, switches=self.switches,
-                         produced=self.produced, **known)
-        self.switches, self.produced, self.reports = [], 0, []
+                         produced=self.produced, production=self.production, **known)
+        self.switches, self.produced, self.reports, self.production = [], 0, [], []
         self.generated_at_last_step = generated
         self.last_step_end = now
         return rec

@@ -260,3 +260,66 @@ def test_replay_that_cannot_fill_its_slots_counts_as_missing_fresh_samples():
     fed = windows(supply=16, produced=16, idle=0.0)
     assert fed.fresh_target() == 16 and fed.current == 4
     assert windows(supply=None).fresh_target() == 16     # unknown supply: the σ·b replay may bring
+
+
+def long_tail_window(pl: PlacementPlanner, rng: random.Random, *, p=4.0, train_s=4.0, delta=2,
+                     short=(50, 0.5), long=(400, 6.0), long_share=0.4) -> Window:
+    """The window of a system whose long samples take 6 s from dispatch to finish: at a step time S
+    they reach staleness floor(6/S + U), so a fast split loses them to δ. True rates: each rollout
+    worker produces p samples per second, a step costs ``train_s`` on one replica, b = 32, σ = 0.5
+    (16 fresh samples per step)."""
+    n_t, n_r = pl.current, pl.rollouts(pl.current)
+
+    def usable(step):
+        return (1 - long_share) + long_share * min(max(delta + 1 - long[1] / step, 0.0), 1.0)
+
+    step = train_s / n_t
+    while 16 > p * n_r * step * usable(step):       # supply-bound: the step waits for usable samples
+        step *= 1.01
+    produced = round(p * n_r * step)
+    kinds = [long if rng.random() < long_share else short for _ in range(produced)]
+    trained, evicted = [], 0
+    for tokens, g in kinds:
+        staleness = math.floor(g / step + rng.random())
+        if staleness > delta:
+            evicted += 1
+        elif len(trained) < 16:
+            trained.append((staleness, g))
+    return Window(produced=produced, step_s=step, idle_trainer=max(0.0, 1 - train_s / n_t / step),
+                  idle_rollout=0.0, production=[(t, g) for t, g in kinds], trained_fresh=trained,
+                  evicted_unused=evicted)
+
+
+def test_the_planner_counts_only_samples_still_within_delta():
+    """8 workers, long samples (6 s) that a fast split loses to δ = 2. Counting every produced sample
+    predicts 1 s steps at 4:4, where only 60 % are usable and steps take 1.67 s; counting usable ones
+    finds 3:5 (1.33 s) the fastest. The planner that knows δ goes from 5 to 3 at once and stays; its
+    predicted coverage tracks the observed one."""
+    rng = random.Random(0)
+    pl = planner(n_t=5, delta=2, cooldown_steps=3, switch_cost_s=0.0)
+    history = drive(pl, lambda pl: long_tail_window(pl, rng), 40)
+    assert history[-10:] == [3] * 10, history
+    assert 0.55 < pl.usable(1.0) < 0.65 and pl.usable(10.0) == 1.0
+    assert math.isclose(pl.step_time(3), 4 / 3, rel_tol=0.1) and pl.step_time(4) > 1.5
+    errors = []
+    for _ in range(20):                               # one window's coverage is a binomial draw: the median
+        pl.observe(long_tail_window(pl, rng))
+        predicted, observed = pl.last_coverage
+        errors.append(abs(predicted / observed - 1))
+    assert sorted(errors)[10] < 0.1, errors
+    assert 4 not in history
+    # Without δ every produced sample counts: the same workload looks balanced at 4:4, and only the
+    # starvation it then measures there sends it back to 3, a switch and four slow steps later.
+    rng = random.Random(0)
+    blind = drive(planner(n_t=5, cooldown_steps=3, switch_cost_s=0.0), lambda pl: long_tail_window(pl, rng), 40)
+    assert blind[2:6] == [4] * 4 and blind[-1] == 3, blind
+
+
+def test_usable_fraction_grows_with_the_step_time_and_is_one_without_a_bound():
+    pl = planner(delta=1)
+    assert pl.usable(0.5) == 1.0                      # nothing measured yet
+    pl.observe(Window(produced=2, step_s=1.0, idle_trainer=0.0, idle_rollout=0.0,
+                      production=[(10, 0.2), (1000, 3.0)], trained_fresh=[(0, 0.2)]))
+    us = [pl.usable(s) for s in (0.5, 1.0, 2.0, 4.0, 100.0)]
+    assert us == sorted(us) and us[0] == 0.5 and us[-1] == 1.0, us
+    assert planner().usable(0.01) == 1.0              # no δ: every fresh sample is usable
