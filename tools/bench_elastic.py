@@ -1,6 +1,6 @@
 """Elastic vs static placement, and adaptive vs fixed generation caps, on a workload that drifts.
 
-    python tools/bench_elastic.py [CONFIG] [--steps N] [--warmup-steps K] [--cpu-quota Q]
+    python tools/bench_elastic.py [CONFIG] [--steps N] [--warmup-steps K] [--cpu-quota Q] [--repeat N]
                                   [--set section.key=value ...] [--json]
 
 CONFIG defaults to ``configs/cpu_drift.toml``: the tiny Qwen3 on arithmetic whose responses grow
@@ -15,23 +15,30 @@ warm start with the same seed and steps, every rank held to ``--cpu-quota`` of o
 
 Per run: tokens/s (the paper's throughput: trainer tokens ÷ step time, over the steps after
 ``--warmup-steps``), generation tokens/s (``rollout/generated_tokens_per_s``), trainer and rollout
-idle, and the placements it went through. Then elastic ÷ best static, elastic ÷ worst static, and
-adaptive ÷ fixed caps in generation tokens/s. ``--json`` prints one object on the last line with
-``elastic_over_best_static``, ``elastic_over_worst_static``, ``elastic_idle_trainer``,
-``elastic_idle_rollout`` and ``adaptive_over_fixed_generation``. The goals it measures: elastic ≥
-0.95× the best static split and ≥ 1.15× the worst; trainer idle ≤ 10 %, rollout idle ≤ 2 %.
+idle, the planner's median error per step in the usable fresh coverage and the step time it
+predicted (``placement/coverage_*``, ``placement/step_predicted_s``), and the placements it went
+through. Then elastic ÷ best static, elastic ÷ worst static, and adaptive ÷ fixed caps in generation
+tokens/s. ``--repeat N`` runs the whole set N times, interleaved, and reports the median of each
+ratio over the repeats. ``--json`` prints one object on the last line with those medians
+(``elastic_over_best_static``, ``elastic_over_worst_static``, ``elastic_idle_trainer``,
+``elastic_idle_rollout``, ``elastic_coverage_error``, ``elastic_step_error``,
+``adaptive_over_fixed_generation``) and every repeat's. The goals it measures: elastic ≥ 1.0× the
+best static split and ≥ 1.15× the worst; trainer idle ≤ 10 %, rollout idle ≤ 2 %.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, mean, prepare, run, table  # noqa: E402
+
+from reflow_hpc.sim.report import median_error  # noqa: E402
 
 
 
@@ -45,6 +52,8 @@ def measure(name: str, metrics: list[dict], summary: dict, warmup: int, wall: fl
             "idle_ratio/rollout": mean(m["idle_ratio/rollout"] for m in measured),
             "replay_fraction": mean(m["replay_fraction"] for m in measured),
             "placements": " ".join(f"{s}:{n}" for s, n in summary.get("placements", [])) or "-",
+            "coverage_error": median_error(measured, "placement/coverage_predicted", "placement/coverage_observed"),
+            "step_error": median_error(measured, "placement/step_predicted_s", "step_seconds"),
             "train_seconds": sum(m["step_seconds"] for m in metrics), "wall_seconds": wall}
 
 
@@ -58,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="run every arm N times, interleaved; ratios are medians")
     args = ap.parse_args(argv)
     cfg = prepare(args.config, args.sets)
     steps = args.steps or cfg.trainer.steps
@@ -70,34 +80,57 @@ def main(argv: list[str] | None = None) -> int:
                                    f"resources.rollout_instances={w - k}"]) for k in range(1, w)]
     plans += [("elastic, fixed caps", ["scheduler.elastic=true", "scheduler.adaptive=false"])]
     rows = []
-    for name, sets in plans:
-        print(f"bench_elastic: {name} ({steps} steps) ...", file=sys.stderr, flush=True)
-        _, metrics, summary, wall = run(args.config, name.replace(" ", "_").replace("=", "").replace(",", ""),
-                                        common + sets, out, args.timeout)
-        rows.append(measure(name, metrics, summary, args.warmup_steps, wall))
+    for rep in range(args.repeat):                    # repeats interleaved: a slow spell of the machine hits every run
+        for name, sets in plans:
+            tag = f" (repeat {rep + 1})" if args.repeat > 1 else ""
+            print(f"bench_elastic: {name}{tag} ({steps} steps) ...", file=sys.stderr, flush=True)
+            run_name = name.replace(" ", "_").replace("=", "").replace(",", "") + (f"_r{rep}" if rep else "")
+            _, metrics, summary, wall = run(args.config, run_name, common + sets, out, args.timeout)
+            rows.append({"repeat": rep + 1, **measure(name, metrics, summary, args.warmup_steps, wall)})
+    reps = [ratios([r for r in rows if r["repeat"] == k + 1]) for k in range(args.repeat)]
+    res = {k: median([x[k] for x in reps]) for k in reps[0] if isinstance(reps[0][k], float)}
+    res.update(repeats=reps, cpu_quota=args.cpu_quota, steps=steps, rows=rows)
+    print(table(rows, [("rep", "repeat", "{}"), ("run", "run", "{}"), ("tok/s", "throughput_tokens_per_s", "{:.0f}"),
+                       ("gen tok/s", "generation_tokens_per_s", "{:.0f}"), ("idle T", "idle_ratio/trainer", "{:.1%}"),
+                       ("idle R", "idle_ratio/rollout", "{:.1%}"), ("replay", "replay_fraction", "{:.2f}"),
+                       ("cov err", "coverage_error", "{:.1%}"), ("step err", "step_error", "{:.1%}"),
+                       ("placements (after step:n_T)", "placements", "{}"), ("train s", "train_seconds", "{:.0f}")]))
+    for x in reps:
+        print(f"repeat: elastic / best static ({x['best_static']}) {x['elastic_over_best_static']:.2f}, "
+              f"/ worst ({x['worst_static']}) {x['elastic_over_worst_static']:.2f}; elastic idle trainer "
+              f"{x['elastic_idle_trainer']:.1%}, rollout {x['elastic_idle_rollout']:.1%}")
+    med = f"median of {args.repeat} " if args.repeat > 1 else ""
+    print(f"{med}elastic / best static: {res['elastic_over_best_static']:.2f} (goal ≥ 1.0); elastic / worst static: "
+          f"{res['elastic_over_worst_static']:.2f} (goal ≥ 1.15)")
+    print(f"{med}elastic idle: trainer {res['elastic_idle_trainer']:.1%} (goal ≤ 10%), rollout "
+          f"{res['elastic_idle_rollout']:.1%} (goal ≤ 2%); adaptive / fixed caps, generation tokens/s: "
+          f"{res['adaptive_over_fixed_generation']:.2f}; the planner's coverage / step-time error (median "
+          f"|predicted / observed − 1| per step): {res['elastic_coverage_error']:.1%} / {res['elastic_step_error']:.1%}")
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
+def ratios(rows: list[dict]) -> dict:
+    """One repeat's ratios: elastic against the best and the worst static split, adaptive against fixed caps."""
     by = {r["run"]: r for r in rows}
     static = [r for r in rows if r["run"].startswith("static")]
     best = max(static, key=lambda r: r["throughput_tokens_per_s"])
     worst = min(static, key=lambda r: r["throughput_tokens_per_s"])
     e = by["elastic"]
-    res = {"elastic_over_best_static": e["throughput_tokens_per_s"] / best["throughput_tokens_per_s"],
-           "elastic_over_worst_static": e["throughput_tokens_per_s"] / worst["throughput_tokens_per_s"],
-           "best_static": best["run"], "worst_static": worst["run"],
-           "elastic_idle_trainer": e["idle_ratio/trainer"], "elastic_idle_rollout": e["idle_ratio/rollout"],
-           "adaptive_over_fixed_generation": e["generation_tokens_per_s"]
-           / by["elastic, fixed caps"]["generation_tokens_per_s"],
-           "cpu_quota": args.cpu_quota, "steps": steps, "rows": rows}
-    print(table(rows, [("run", "run", "{}"), ("tok/s", "throughput_tokens_per_s", "{:.0f}"),
-                       ("gen tok/s", "generation_tokens_per_s", "{:.0f}"), ("idle T", "idle_ratio/trainer", "{:.1%}"),
-                       ("idle R", "idle_ratio/rollout", "{:.1%}"), ("replay", "replay_fraction", "{:.2f}"),
-                       ("placements (after step:n_T)", "placements", "{}"), ("train s", "train_seconds", "{:.0f}")]))
-    print(f"elastic / best static ({best['run']}): {res['elastic_over_best_static']:.2f} (goal ≥ 0.95); "
-          f"elastic / worst static ({worst['run']}): {res['elastic_over_worst_static']:.2f} (goal ≥ 1.15)")
-    print(f"elastic idle: trainer {e['idle_ratio/trainer']:.1%} (goal ≤ 10%), rollout {e['idle_ratio/rollout']:.1%} "
-          f"(goal ≤ 2%); adaptive / fixed caps, generation tokens/s: {res['adaptive_over_fixed_generation']:.2f}")
-    if args.json:
-        print(json.dumps(res))
-    return 0
+    return {"elastic_over_best_static": e["throughput_tokens_per_s"] / best["throughput_tokens_per_s"],
+            "elastic_over_worst_static": e["throughput_tokens_per_s"] / worst["throughput_tokens_per_s"],
+            "best_static": best["run"], "worst_static": worst["run"],
+            "elastic_idle_trainer": e["idle_ratio/trainer"], "elastic_idle_rollout": e["idle_ratio/rollout"],
+            "elastic_coverage_error": e["coverage_error"], "elastic_step_error": e["step_error"],
+            "adaptive_over_fixed_generation": e["generation_tokens_per_s"]
+            / by["elastic, fixed caps"]["generation_tokens_per_s"]}
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if x == x)
+    n = len(xs)
+    return math.nan if not n else xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 if __name__ == "__main__":

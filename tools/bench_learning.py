@@ -519,6 +519,24 @@ def runs_table(runs: list[dict]) -> str:
     return _text_table(head, rows)
 
 
+def idle_lines(runs: list[dict]) -> list[str]:
+    """Idle ratios as the paper defines them (the fraction of each step a worker is idle, averaged over
+    the steps of the runs), per arm over its seeds, beside the paper's Fig. 14."""
+    from reflow_hpc.sim.report import PAPER_IDLE
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["mode"], []).append(r.get("diagnostics") or {})
+    out = []
+    for arm, ds in by.items():
+        t = [d.get("idle_ratio/trainer", math.nan) for d in ds]
+        ro = [d.get("idle_ratio/rollout", math.nan) for d in ds]
+        out.append(f"idle ratio, {arm}: trainer {_fmt(_mean(t), '.1%')} ± {_fmt(_se(t), '.1%')}, rollout "
+                   f"{_fmt(_mean(ro), '.1%')} ± {_fmt(_se(ro), '.1%')} ({len(ds)} seeds)")
+    out += [f"paper (Fig. 14, VeRL-async → ReFlow, {k}): trainer {a[0]} % → {b[0]} %, rollout {a[1]} % → {b[1]} %"
+            for k, (a, b) in PAPER_IDLE.items()]
+    return out
+
+
 def profiles_table(profiles: dict[str, dict]) -> str:
     head = ["arm", "rank records", "busy gen tok/s", "CPU share", "throttled", "threads", "torch threads"]
     return _text_table(head, [[m, str(p["ranks"]), _fmt(p["busy_gen_tokens_per_s"], ".0f"), _fmt(p["cpu_share"], ".2f"),
@@ -754,6 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print()
     print(runs_table(mine))
+    for line in idle_lines(mine):
+        print(line)
     if result["rank_profiles"]:
         print()
         print(profiles_table(result["rank_profiles"]))

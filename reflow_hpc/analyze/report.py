@@ -113,6 +113,7 @@ def result(src: Sources, *, max_points: int) -> dict[str, Any]:
                                for w, (n, t, r) in enumerate(zip(sh.by_owner.get("samples"), sh.by_owner.get("tokens"),
                                                                  sh.by_owner.get("response"))) if n}
     out["idle"] = _idle(me)
+    out["placement"] = _placement(me, max_points)
     out["roles"] = _roles(me, src.topology)
     if me.ignored_ranks:
         out["roles"]["ignored_ranks"] = me.ignored_ranks
@@ -202,6 +203,26 @@ def _idle(me: MetricStats) -> dict[str, Any] | None:
             "by_rank": by_rank}
 
 
+def _placement(me: MetricStats, max_points: int) -> dict[str, Any] | None:
+    """The planner's predicted against observed usable fresh coverage and step time, per step (None: no
+    planner in the run)."""
+    steps = [i for i, (p, _) in enumerate(me.coverage) if not math.isnan(p)]
+    if not steps:
+        return None
+    pick = sorted(set(np.linspace(0, len(steps) - 1, min(max_points, len(steps))).round().astype(int).tolist()))
+
+    def error(pairs: list[tuple[float, float]]) -> float | None:
+        e = [abs(p / o - 1) for p, o in pairs if o and not (math.isnan(p) or math.isnan(o))]
+        return round(float(np.median(e)), 4) if e else None
+
+    late = steps[len(steps) // 4:]                  # after the first quarter: the rates have settled
+    return {"steps": len(steps),
+            "coverage_error": error([me.coverage[i] for i in late]),
+            "step_error": error([(me.step_predicted[i], me.step_seconds[i]) for i in late]),
+            "series": [{"step": me.step[steps[j]], "coverage": list(me.coverage[steps[j]]),
+                        "step_s": [me.step_predicted[steps[j]], me.step_seconds[steps[j]]]} for j in pick]}
+
+
 def rank_idle(codes: np.ndarray, idle_t: np.ndarray, idle_r: np.ndarray) -> np.ndarray:
     """Idle ratio of one rank per step: its role's idle ratio that step (both roles of a colocated
     worker: their mean, since it waits for a batch and for generation in turn)."""
@@ -278,6 +299,13 @@ def text(res: dict[str, Any], *, rows: int) -> str:
                    f"{_pct(idle['rollout_mean'])}; by rank: {per or '-'}")
     else:
         out.append("idle: no step records in metrics.jsonl")
+    pl = res.get("placement")
+    if pl:
+        series = ", ".join(f"{x['step']}: {_fmt(x['coverage'][0], '{:.1f}')}/{_fmt(x['coverage'][1], '{:.1f}')} "
+                           f"{_fmt(x['step_s'][0], '{:.2f}')}/{_fmt(x['step_s'][1], '{:.2f}')} s" for x in pl["series"])
+        out.append(f"placement planner, predicted/observed per step (usable fresh samples, step time): {series}; "
+                   f"median error after the first quarter: coverage {_pct(pl['coverage_error'])}, step time "
+                   f"{_pct(pl['step_error'])}")
     roles = res.get("roles") or {}
     if roles.get("steps_by_rank"):
         per = "; ".join(f"rank {r} " + ", ".join(f"{k} {n}" for k, n in d.items())

@@ -347,6 +347,8 @@ class MetricStats:
     step_seconds: list[float] = field(default_factory=list)
     idle_trainer: list[float] = field(default_factory=list)
     idle_rollout: list[float] = field(default_factory=list)
+    coverage: list[tuple[float, float]] = field(default_factory=list)   # the planner's (predicted, observed)
+    step_predicted: list[float] = field(default_factory=list)            # its predicted step time
     roles: dict[int, RankRoles] = field(default_factory=dict)   # rank -> its role code at the steps it has one
     evals: int = 0
     ignored_ranks: int = 0                                      # role/<rank> keys beyond MAX_RANKS or out of range
@@ -362,6 +364,8 @@ class MetricStats:
         self.step_seconds.append(_num(r.get("step_seconds")))
         self.idle_trainer.append(_num(r.get("idle_ratio/trainer")))
         self.idle_rollout.append(_num(r.get("idle_ratio/rollout")))
+        self.coverage.append((_num(r.get("placement/coverage_predicted")), _num(r.get("placement/coverage_observed"))))
+        self.step_predicted.append(_num(r.get("placement/step_predicted_s")))
         for key, value in r.items():
             if key.startswith("role/"):
                 try:

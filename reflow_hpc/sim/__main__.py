@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..config import main_guard, notices
 from . import calibrate as cal
-from .report import ratios, simulate, table
+from .report import idle_beside_paper, ratios, simulate, table
 from .workload import MODE_ORDER
 
 
@@ -68,6 +68,8 @@ def run_config(args) -> int:
         if r["mode"] == "reflow":
             print(f"{r['gpus']} GPUs: reflow trainer idle {r['idle_trainer']:.1%}, rollout idle {r['idle_rollout']:.1%}, "
                   f"replay fraction {r['replay_fraction']:.2f}, switches {r['switches']}")
+    for line in idle_beside_paper(rows):
+        print(line)
     if args.plot:
         from .plots import role_timeline, scaling
         out = Path(args.plot)

@@ -74,9 +74,18 @@ def summarise(sim: Simulation) -> RunResult:
         "preemptions": sim.preemptions, "partial_rollouts": c["partial_rollouts"],
         "evicted_unused": c["buffer"].get("buffer/evicted_unused", 0),
         "switches": len(c["placements"]), "placements": c["placements"],
+        "coverage_error": median_error(measured, "placement/coverage_predicted", "placement/coverage_observed"),
+        "step_error": median_error(measured, "placement/step_predicted_s", "step_seconds"),
         "simulated_s": sim.now, "events": sim.events,
     }
     return RunResult(summary, records, sim)
+
+
+def median_error(records: list[dict], predicted: str, observed: str) -> float:
+    """The placement planner's median |predicted / observed − 1| over ``records`` (nan: no planner)."""
+    errors = sorted(abs(r[predicted] / r[observed] - 1) for r in records
+                    if r.get(predicted) == r.get(predicted) and r.get(observed) and r.get(predicted) is not None)
+    return errors[len(errors) // 2] if errors else math.nan
 
 
 def _mean(xs: Any) -> float:
@@ -88,7 +97,8 @@ COLUMNS = [("GPUs", "gpus", "{}"), ("mode", "mode", "{}"), ("tok/s", "throughput
            ("step s", "step_s", "{:.1f}"), ("idle T", "idle_trainer", "{:.1%}"), ("idle R", "idle_rollout", "{:.1%}"),
            ("replay", "replay_fraction", "{:.2f}"), ("stale", "staleness_mean", "{:.2f}"),
            ("T:R", "split", "{}"), ("sync s", "sync_s", "{:.2f}"), ("resp len", "response_length", "{:,.0f}"),
-           ("preempt", "preemptions", "{}")]
+           ("preempt", "preemptions", "{}"), ("cov err", "coverage_error", "{:.1%}"),
+           ("step err", "step_error", "{:.1%}")]
 
 
 def table(rows: list[dict], columns: list = COLUMNS) -> str:
@@ -119,4 +129,24 @@ def ratios(rows: list[dict]) -> dict:
         for base in ("sync", "one_step_off", "fully_async"):
             if base in by and by[base]:
                 out[f"reflow/{base}"] = by["reflow"] / by[base]
+    return out
+
+
+# Fig. 14 of the paper (§7.5): idle ratio = the fraction of each step a worker is idle, averaged over the
+# steps of the convergence runs; VeRL-async → ReFlow, (trainer, rollout) in percent.
+PAPER_IDLE = {"Qwen3-8B, 32 GPUs": ((55.8, 3.5), (15.5, 0.2)), "Qwen3-14B, 64 GPUs": ((46.5, 8.4), (15.8, 0.4))}
+
+
+def idle_beside_paper(rows: list[dict]) -> list[str]:
+    """fully_async → reflow idle ratios per GPU count (the same definition), beside the paper's."""
+    by = {(r["gpus"], r["mode"]): r for r in rows}
+    out = []
+    for (gpus, mode), r in by.items():
+        base = by.get((gpus, "fully_async"))
+        if mode == "reflow" and base is not None:
+            out.append(f"{gpus} GPUs: idle trainer / rollout, fully_async → reflow: {base['idle_trainer']:.1%} → "
+                       f"{r['idle_trainer']:.1%} / {base['idle_rollout']:.1%} → {r['idle_rollout']:.1%}")
+    if out:
+        out += [f"paper (Fig. 14, VeRL-async → ReFlow, {k}): {a[0]} % → {b[0]} % / {a[1]} % → {b[1]} %"
+                for k, (a, b) in PAPER_IDLE.items()]
     return out
