@@ -91,7 +91,11 @@ side with the others. The JSON object's ``algorithms`` maps each to ``final``, `
 end, mean ± s.e. over seeds), ``gain``, ``gain_se`` (final minus the start policy's sampled eval reward,
 per seed), ``well_formed_gain`` (the same among samples already in the verifier's answer form, which
 separates learning the task from learning its format), ``vs_grpo`` and ``vs_grpo_se`` (final minus
-grpo's, paired by seed) and the means of the run's ``rollout_is/*`` metrics.
+grpo's, paired by seed), the means of the run's ``rollout_is/*`` metrics, and ``at_uses`` / ``at_generated``
+(± ``_se``): the eval reward, interpolated on each run's curve, at the fewest training uses
+(``common_uses``: distinct samples trained plus replayed uses) and the fewest generated samples
+(``common_generated``) any run of the benchmark reached — at equal uses a replayed use worth less than a
+fresh one shows as a lower reward, at equal generated samples replay that saves generation as a higher.
 
 ``--peer trl`` adds TRL's GRPOTrainer (``tools/peer_trl.py``) for the same budget, held to the same
 total CPU share; it reports only its start and final score (TRL has no snapshot scoring here).
@@ -427,8 +431,17 @@ def summarise_algorithms(runs: list[dict], labels: list[str]) -> dict:
         by.setdefault(r["mode"], {})[r["seed"]] = r
     out: dict[str, dict] = {}
     ref = next((lab for lab in labels if lab.split(":")[-1] == "grpo"), None)
+    # Reward at a common count of training uses and of generated samples: the fewest any run reached,
+    # so every curve is read inside its range (a replayed use worth less shows at equal uses; replay
+    # that saves generation shows at equal generated samples).
+    common = {k: min((r[k][-1][0] for r in runs if r.get(k)), default=math.nan)
+              for k in ("uses_curve", "generated_curve")}
     for label in labels:
         seeds = by.get(label, {})
+        for k, name in (("uses_curve", "at_uses"), ("generated_curve", "at_generated")):
+            vals = [interpolate(r[k], common[k]) for r in seeds.values() if r.get(k) and common[k] > 0]
+            out.setdefault(label, {})[name], out[label][name + "_se"] = _mean(vals), _se(vals)
+            out[label][name.replace("at_", "common_")] = common[k]
         finals = [r["curve"][-1][1] for r in seeds.values()]
         gains = [r["curve"][-1][1] - r["curve"][0][1] for r in seeds.values()]
         wf = [r["well_formed_curve"][-1][1] - r["well_formed_curve"][0][1] for r in seeds.values()
@@ -441,7 +454,7 @@ def summarise_algorithms(runs: list[dict], labels: list[str]) -> dict:
         is_keys = sorted({k for r in seeds.values() for k in r.get("rollout_is", {})})
         for k in is_keys:
             row[k] = _mean([r["rollout_is"][k] for r in seeds.values() if k in r.get("rollout_is", {})])
-        out[label] = row
+        out[label] = {**row, **out.get(label, {})}
     return out
 
 
@@ -458,12 +471,16 @@ def _text_table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def algorithms_table(rows: dict[str, dict]) -> str:
+    first = next(iter(rows.values()), {})
     head = ["objective", "seeds", "final", "± s.e.", "gain", "± s.e.", "well-formed gain", "vs grpo", "± s.e.",
-            "IS mean"]
+            "IS mean", f"at {_fmt(first.get('common_uses'), '.0f')} uses", "± s.e.",
+            f"at {_fmt(first.get('common_generated'), '.0f')} generated", "± s.e."]
     return _text_table(head, [[label, str(r["seeds"]), f"{r['final']:.3f}", _fmt(r["final_se"], ".3f"),
                                f"{r['gain']:+.3f}", _fmt(r["gain_se"], ".3f"), _fmt(r["well_formed_gain"], "+.3f"),
                                _fmt(r.get("vs_grpo"), "+.3f"), _fmt(r.get("vs_grpo_se"), ".3f"),
-                               _fmt(r.get("rollout_is/mean"), ".4f")] for label, r in rows.items()])
+                               _fmt(r.get("rollout_is/mean"), ".4f"), _fmt(r.get("at_uses"), ".3f"),
+                               _fmt(r.get("at_uses_se"), ".3f"), _fmt(r.get("at_generated"), ".3f"),
+                               _fmt(r.get("at_generated_se"), ".3f")] for label, r in rows.items()])
 
 
 def table(result: dict) -> str:
@@ -597,10 +614,20 @@ def read_run(run_dir: Path, label: str, seed: int) -> dict:
         raise SystemExit(f"bench_learning: {run_dir}: no eval records in metrics.jsonl (run.eval_prompts = 0?)")
     is_keys = sorted({k for m in steps for k in m if k.startswith("trainer/rollout_is/")})
     diag = run_diagnostics(steps, summary)
+    at = {m["step"]: m for m in steps if "step" in m}
+
+    def counted(e: dict, what: str) -> float:
+        """Training uses or generated samples by the eval point's step (0 before the first step)."""
+        m = at.get(e["step"], {})
+        if what == "uses":
+            return m.get("buffer/trained_samples", 0) + m.get("buffer/replayed_uses", 0)
+        return m.get("buffer/created", 0) - m.get("buffer/pending", 0)
     return {"mode": label, "seed": seed, "run_dir": str(run_dir), "steps": summary.get("steps"),
             "train_seconds": summary.get("train_seconds"),
             "curve": [(e["eval/elapsed_s"], e["eval/task/reward"]) for e in evals],
             "step_curve": [(e["step"], e["eval/task/reward"]) for e in evals],
+            "uses_curve": [(counted(e, "uses"), e["eval/task/reward"]) for e in evals],
+            "generated_curve": [(counted(e, "generated"), e["eval/task/reward"]) for e in evals],
             "well_formed_curve": [(e["eval/elapsed_s"], e.get("eval/task/well_formed_reward", math.nan),
                                    e.get("eval/task/well_formed", math.nan)) for e in evals],
             "rollout_is": {k.removeprefix("trainer/"): _mean([m[k] for m in steps if k in m]) for k in is_keys},

@@ -57,12 +57,20 @@ def test_the_report_of_a_real_run(real_run, tmp_path):
     assert sum(res["reward_by_version"]["n"]) == res["samples"]
     assert set(res["idle"]["by_rank"]) == {"0", "1", "2", "3"}
     assert {r for d in res["roles"]["steps_by_rank"].values() for r in d} <= {"trainer", "rollout"}
+    predicted = [m["placement/coverage_predicted"] for m in metrics]   # the elastic pool's planner, per step
+    pl = res["placement"]
+    assert pl["steps"] == sum(1 for v in predicted if v == v) > 0
+    by_step = {m["step"]: m for m in metrics}
+    for x in pl["series"]:
+        m = by_step[x["step"]]
+        assert x["coverage"] == [m["placement/coverage_predicted"], m["placement/coverage_observed"]]
+        assert x["step_s"] == [m["placement/step_predicted_s"], m["step_seconds"]] and x["coverage"][1] >= 0
     assert {p.rsplit("/", 1)[-1] for p in res["plots"]} == PLOTS
     for p in res["plots"]:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "out" / "summary.txt").read_text().strip() == text
     for section in ("terminal reasons", "staleness of trained samples", "times trained", "reward by policy version",
-                    "response length", "tokens per worker", "idle over", "roles"):
+                    "response length", "tokens per worker", "idle over", "roles", "placement planner"):
         assert section in text
 
 

@@ -324,3 +324,19 @@ def test_objectives_are_summarised_per_seed_and_paired_with_grpo():
     assert rows["dapo"]["vs_grpo"] == pytest.approx(0.2) and rows["dapo"]["vs_grpo_se"] == pytest.approx(0.1)
     assert rows["grpo"]["vs_grpo"] == 0.0 and rows["dapo"]["rollout_is/mean"] == pytest.approx(1.0)
     assert "dapo" in bl.algorithms_table(rows)
+
+
+def test_reward_is_read_at_the_fewest_uses_and_generated_samples_any_run_reached():
+    # replay (sigma) trains each generated sample twice: at equal uses it learned less, at equal
+    # generated samples more.
+    def run(label, seed, uses, generated, final):
+        return {"mode": label, "seed": seed, "curve": [(0.0, 0.1), (60.0, final)],
+                "uses_curve": [(0, 0.1), (uses, final)], "generated_curve": [(0, 0.1), (generated, final)]}
+    runs = [run("fresh", 0, 1000, 1000, 0.5), run("fresh", 1, 1200, 1200, 0.7),
+            run("replay", 0, 2000, 1000, 0.5), run("replay", 1, 2000, 1000, 0.5)]
+    rows = bl.summarise_algorithms(runs, ["fresh", "replay"])
+    assert rows["fresh"]["common_uses"] == 1000 and rows["fresh"]["common_generated"] == 1000
+    assert rows["fresh"]["at_uses"] == pytest.approx((0.5 + (0.1 + 0.6 * 1000 / 1200)) / 2)
+    assert rows["replay"]["at_uses"] == pytest.approx(0.3)                 # halfway along 0.1 -> 0.5
+    assert rows["replay"]["at_generated"] == pytest.approx(0.5) and rows["replay"]["at_generated_se"] == 0.0
+    assert "at 1000 uses" in bl.algorithms_table(rows)
