@@ -599,7 +599,7 @@ def parse_algorithms(spec: str | None) -> list[str | None]:
 
 
 def run_name(label: str, seed: int) -> str:
-    return "learn-" + re.sub(r"[^A-Za-z0-9_.=-]+", "-", label).strip("-") + f"-s{seed}"
+    return "learn-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-") + f"-s{seed}"
 
 
 def read_run(run_dir: Path, label: str, seed: int) -> dict:

@@ -288,7 +288,7 @@ def test_arms_keep_their_settings():
     assert arms == ["grpo", "cispo[cispo_clip_low=1;cispo_clip_high=2]", "dapo"]
     assert bl.arm_sets(arms[1]) == ["algorithm.name=cispo", "algorithm.cispo_clip_low=1", "algorithm.cispo_clip_high=2"]
     assert bl.arm_sets("ppo[trainer.lr=1e-5]") == ["algorithm.name=ppo", "trainer.lr=1e-5"]
-    assert bl.run_name("reflow:cispo[cispo_clip_low=1]", 2) == "learn-reflow-cispo-cispo_clip_low=1-s2"
+    assert bl.run_name("reflow:cispo[cispo_clip_low=1]", 2) == "learn-reflow-cispo-cispo_clip_low-1-s2"
     assert bl.parse_algorithms(None) == [None]
 
 
