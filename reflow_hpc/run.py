@@ -393,6 +393,13 @@ def report(summary: dict, cfg: Config) -> str:
                if "buffer/trained_samples" in b else "")
     lines.append(f"samples: {b.get('buffer/created', 0)} created; {trained}ended: {ends} "
                  f"({b.get('buffer/evicted_unused', 0)} of the evicted never trained)")
+    r = cfg.reflow
+    if r.mode == "reflow" and r.sigma > 0 and b.get("buffer/trained_samples") and not b.get("buffer/replayed_uses"):
+        why = (f"medium_reward keeps only rewards strictly between reflow.reward_low = {r.reward_low:g} and "
+               f"reflow.reward_high = {r.reward_high:g}, which a 0/1 reward never is" if r.sampler == "medium_reward"
+               else "see replay_fraction in metrics.jsonl")
+        lines.append(f"note: reflow.sigma = {r.sigma:g} but no sample was replayed: the replay sampler "
+                     f"{r.sampler!r} returned none ({why})")
     return "\n".join(lines)
 
 
