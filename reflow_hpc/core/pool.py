@@ -209,7 +209,9 @@ class Pool:
         mine = [rec for rec in self.samples.values()
                 if (rec.worker if rec.state in GENERATING else rec.owner) == rank and not rec.owner_lost]
         for rec in sorted(mine, key=_by_sample_id):
-            if rec.state in GENERATING:
+            if rec.sample_id not in self.samples:
+                continue                                  # ended meanwhile: a failure completed its group, and
+            if rec.state in GENERATING:                   # the fresh filter dropped it
                 self.end(rec, FAILED, out)
             elif rec.state == TRAINING:
                 rec.owner_lost = True

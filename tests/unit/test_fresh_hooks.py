@@ -55,6 +55,17 @@ def finish_group(idx, rewards, *, tokens=10, prompt_id=0, version=None):
 # dynamic sampling: informative_groups
 # ------------------------------------------------------------------------------------------------
 
+def test_a_lost_worker_whose_failure_completes_a_dropped_group_ends_each_sample_once():
+    # The failed member completes the group; the filter drops the finished one (all rewards equal)
+    # before the scan of the lost worker's samples reaches it.
+    idx = make_index()
+    g = idx.new_group(0, worker=2)
+    assert idx.finished(g.sample_ids[1], owner=2, reward=1.0, min_version=0, max_version=0, loss_tokens=5) == []
+    out = idx.worker_lost(2)
+    assert [(r.sample_id, r.reason) for r in out] == [(g.sample_ids[0], "failed"), (g.sample_ids[1], "uninformative")]
+    assert list(idx.live_ids()) == []
+
+
 def test_an_all_equal_group_ends_as_uninformative_and_never_reaches_a_batch():
     idx = make_index()
     ids, out = finish_group(idx, [1.0, 1.0])
