@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, mean, prepare, run, table  # noqa: E402
+from bench_common import ROOT, mean, median, prepare, run, table  # noqa: E402
 
 from reflow_hpc.sim.report import median_error  # noqa: E402
 
@@ -125,12 +124,6 @@ def ratios(rows: list[dict]) -> dict:
             "elastic_coverage_error": e["coverage_error"], "elastic_step_error": e["step_error"],
             "adaptive_over_fixed_generation": e["generation_tokens_per_s"]
             / by["elastic, fixed caps"]["generation_tokens_per_s"]}
-
-
-def median(xs: list[float]) -> float:
-    xs = sorted(x for x in xs if x == x)
-    n = len(xs)
-    return math.nan if not n else xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 if __name__ == "__main__":

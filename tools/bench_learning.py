@@ -363,12 +363,23 @@ def quarters(values: list[float]) -> list[float]:
     return [_mean(values[n * q // 4: n * (q + 1) // 4]) for q in range(4)]
 
 
+def training_uses(gauges: dict) -> int:
+    """Distinct samples trained plus their replayed uses, from a step's ``buffer/*`` gauges."""
+    return gauges.get("buffer/trained_samples", 0) + gauges.get("buffer/replayed_uses", 0)
+
+
+def generated_samples(gauges: dict) -> int:
+    """Samples whose generation finished (created less those still pending), from ``buffer/*`` gauges."""
+    return gauges.get("buffer/created", 0) - gauges.get("buffer/pending", 0)
+
+
 def run_diagnostics(steps: list[dict], summary: dict | None = None) -> dict:
     """A run's rates and sample economy from its step records (module docstring, "Per run")."""
     last = steps[-1] if steps else {}
     buf = {**(summary or {}).get("buffer", {}), **{k: v for k, v in last.items() if k.startswith("buffer/")}}
-    created, trained = buf.get("buffer/created"), buf.get("buffer/trained_samples")
-    generated = created - buf.get("buffer/pending", 0) if created is not None else None
+    trained = buf.get("buffer/trained_samples")
+    generated = generated_samples(buf) if "buffer/created" in buf else None
+    created = buf.get("buffer/created")
     seconds = sum(m.get("step_seconds", 0.0) for m in steps)
     busy = sum(m.get("trainer/seconds") or 0.0 for m in steps)
     tokens = sum(m.get("tokens", 0.0) for m in steps)
@@ -377,7 +388,7 @@ def run_diagnostics(steps: list[dict], summary: dict | None = None) -> dict:
     return {"steps": len(steps),
             "generated_samples": generated, "trained_samples": trained,
             "generated_per_trained": generated / trained if generated is not None and trained else math.nan,
-            "uses_per_trained": (trained + buf.get("buffer/replayed_uses", 0)) / trained if trained else math.nan,
+            "uses_per_trained": training_uses(buf) / trained if trained else math.nan,
             "evicted_unused_fraction": buf.get("buffer/evicted_unused", 0) / created if created else math.nan,
             "replay_quarters": quarters([m.get("replay_fraction", math.nan) for m in steps]),
             "gen_tokens_per_s": gen / seconds if seconds else math.nan,
@@ -438,10 +449,6 @@ def summarise_algorithms(runs: list[dict], labels: list[str]) -> dict:
               for k in ("uses_curve", "generated_curve")}
     for label in labels:
         seeds = by.get(label, {})
-        for k, name in (("uses_curve", "at_uses"), ("generated_curve", "at_generated")):
-            vals = [interpolate(r[k], common[k]) for r in seeds.values() if r.get(k) and common[k] > 0]
-            out.setdefault(label, {})[name], out[label][name + "_se"] = _mean(vals), _se(vals)
-            out[label][name.replace("at_", "common_")] = common[k]
         finals = [r["curve"][-1][1] for r in seeds.values()]
         gains = [r["curve"][-1][1] - r["curve"][0][1] for r in seeds.values()]
         wf = [r["well_formed_curve"][-1][1] - r["well_formed_curve"][0][1] for r in seeds.values()
@@ -454,7 +461,10 @@ def summarise_algorithms(runs: list[dict], labels: list[str]) -> dict:
         is_keys = sorted({k for r in seeds.values() for k in r.get("rollout_is", {})})
         for k in is_keys:
             row[k] = _mean([r["rollout_is"][k] for r in seeds.values() if k in r.get("rollout_is", {})])
-        out[label] = {**row, **out.get(label, {})}
+        for k, name in (("uses_curve", "uses"), ("generated_curve", "generated")):
+            vals = [interpolate(r[k], common[k]) for r in seeds.values() if r.get(k) and common[k] > 0]
+            row[f"at_{name}"], row[f"at_{name}_se"], row[f"common_{name}"] = _mean(vals), _se(vals), common[k]
+        out[label] = row
     return out
 
 
@@ -614,20 +624,13 @@ def read_run(run_dir: Path, label: str, seed: int) -> dict:
         raise SystemExit(f"bench_learning: {run_dir}: no eval records in metrics.jsonl (run.eval_prompts = 0?)")
     is_keys = sorted({k for m in steps for k in m if k.startswith("trainer/rollout_is/")})
     diag = run_diagnostics(steps, summary)
-    at = {m["step"]: m for m in steps if "step" in m}
-
-    def counted(e: dict, what: str) -> float:
-        """Training uses or generated samples by the eval point's step (0 before the first step)."""
-        m = at.get(e["step"], {})
-        if what == "uses":
-            return m.get("buffer/trained_samples", 0) + m.get("buffer/replayed_uses", 0)
-        return m.get("buffer/created", 0) - m.get("buffer/pending", 0)
+    at = {m["step"]: m for m in steps if "step" in m}      # an eval point's gauges: its step's (none before step 1)
     return {"mode": label, "seed": seed, "run_dir": str(run_dir), "steps": summary.get("steps"),
             "train_seconds": summary.get("train_seconds"),
             "curve": [(e["eval/elapsed_s"], e["eval/task/reward"]) for e in evals],
             "step_curve": [(e["step"], e["eval/task/reward"]) for e in evals],
-            "uses_curve": [(counted(e, "uses"), e["eval/task/reward"]) for e in evals],
-            "generated_curve": [(counted(e, "generated"), e["eval/task/reward"]) for e in evals],
+            "uses_curve": [(training_uses(at.get(e["step"], {})), e["eval/task/reward"]) for e in evals],
+            "generated_curve": [(generated_samples(at.get(e["step"], {})), e["eval/task/reward"]) for e in evals],
             "well_formed_curve": [(e["eval/elapsed_s"], e.get("eval/task/well_formed_reward", math.nan),
                                    e.get("eval/task/well_formed", math.nan)) for e in evals],
             "rollout_is": {k.removeprefix("trainer/"): _mean([m[k] for m in steps if k in m]) for k in is_keys},

@@ -83,8 +83,8 @@ def summarise(sim: Simulation) -> RunResult:
 
 def median_error(records: list[dict], predicted: str, observed: str) -> float:
     """The placement planner's median |predicted / observed − 1| over ``records`` (nan: no planner)."""
-    errors = sorted(abs(r[predicted] / r[observed] - 1) for r in records
-                    if r.get(predicted) == r.get(predicted) and r.get(observed) and r.get(predicted) is not None)
+    pairs = ((r.get(predicted), r.get(observed)) for r in records)
+    errors = sorted(abs(p / o - 1) for p, o in pairs if p is not None and p == p and o)
     return errors[len(errors) // 2] if errors else math.nan
 
 
