@@ -403,7 +403,9 @@ class ReflowConfig:
     b_max: int = opt(0, "Max samples dispatched to rollout workers per step (in flight + pending); "
                         "0 = trainer.batch_size.", ge=0)
     sync_every: int = opt(1, "Steps between weight syncs to the rollout workers.", ge=1)
-    sampler: str = opt("random", "Replay sampler (registered name; built in: random, medium_reward).")
+    sampler: str = opt("random", "Replay sampler (registered name; built in: random, medium_reward, "
+                                 "reward_variance = only samples of a nonzero group advantage, recency = least "
+                                 "stale first).")
     replay_filter: str = opt("accept_all", "Replay filter deciding reinsertion after training "
                                            "(registered name; built in: accept_all, reward_band).")
     reward_low: float = opt(0.0, "Lower reward bound of medium_reward and reward_band (exclusive).")
@@ -1118,6 +1120,10 @@ def _check_algorithm(cfg: Config) -> None:
     if a.group_size < 2 and estimator != "none":
         raise ConfigError("algorithm.group_size", a.group_size, f"objective {a.name} compares the samples of a "
                                                                 f"group: needs ≥ 2")
+    if cfg.reflow.sampler == "reward_variance" and estimator == "none":
+        raise ConfigError("reflow.sampler", cfg.reflow.sampler, f"replays samples by their group advantage, which "
+                                                                f"objective {a.name} leaves at 0 (its trainer "
+                                                                f"computes advantages): nothing would be replayed")
     _check_critic(cfg)
     if 0 < a.clip_ratio_c <= 1:
         raise ConfigError("algorithm.clip_ratio_c", a.clip_ratio_c, "must be 0 (off) or > 1: the dual clip caps "

@@ -140,6 +140,69 @@ class MediumRewardSampler(RewardBandRule, PoolSampler):
         return self.inside(sample)
 
 
+@register_sampler("reward_variance")
+class RewardVarianceSampler(PoolSampler):
+    """Only replay samples that carry a learning signal: those whose group-normalised advantage is not 0,
+    that is whose group's rewards varied (a group whose members all scored alike gives each of them
+    advantage 0). With ``algorithm.replay_advantage = "kept"`` such a sample adds no gradient when
+    replayed but still takes a slot and its share of the loss normaliser, diluting the batch. Uniform
+    among those kept."""
+
+    def eligible(self, sample: SampleRecord) -> bool:
+        return sample.advantage != 0.0
+
+
+@register_sampler("recency")
+class RecencySampler(Sampler):
+    """The least stale replay samples first: those whose oldest token came from the newest policy version
+    (``min_version``), uniformly at random among the samples of the last version it needs. One bucket per
+    version (at most δ + 1 are live), each a :class:`PoolSampler`, so a pick costs O(k + versions)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, PoolSampler] = {}
+        self._version: dict[int, int] = {}
+
+    def add(self, sample: SampleRecord) -> None:
+        self._buckets.setdefault(sample.min_version, PoolSampler()).add(sample)
+        self._version[sample.sample_id] = sample.min_version
+
+    def remove(self, sample_id: int) -> None:
+        v = self._version.pop(sample_id, None)
+        if v is None:
+            return
+        bucket = self._buckets[v]
+        bucket.remove(sample_id)
+        if not bucket.available():
+            del self._buckets[v]
+
+    def available(self) -> int:
+        return len(self._version)
+
+    def pick(self, k: int, rng: random.Random) -> list[int]:
+        out: list[int] = []
+        for v in sorted(self._buckets, reverse=True):
+            if len(out) == k:
+                break
+            bucket = self._buckets[v]
+            need = k - len(out)
+            out += list(bucket._pool) if bucket.available() <= need else bucket.pick(need, rng)
+        return out
+
+    def state_dict(self) -> Any:
+        return {"buckets": {str(v): b.state_dict() for v, b in self._buckets.items()}}
+
+    def load_state_dict(self, state: Any, samples: Sequence[SampleRecord]) -> None:
+        self._buckets, self._version = {}, {}
+        saved = state.get("buckets", {}) if isinstance(state, dict) else {}
+        by_version: dict[int, list[SampleRecord]] = {}
+        for sample in samples:
+            by_version.setdefault(sample.min_version, []).append(sample)
+            self._version[sample.sample_id] = sample.min_version
+        for v, members in by_version.items():
+            bucket = self._buckets[v] = PoolSampler()
+            bucket.load_state_dict(saved.get(str(v)), members)
+
+
 def take_replay(sampler: Sampler, k: int, rng: random.Random,
                 samples: Mapping[int, SampleRecord]) -> list[SampleRecord]:
     """``k`` replay samples picked by ``sampler`` with ``rng`` and removed from it; RuntimeError when the

@@ -55,7 +55,7 @@ BAD = [
                                                    "trainer does not recompute"),
     (['sim.logprob_recompute_modes=["turbo"]'], 'config error: sim.logprob_recompute_modes = "turbo": allowed: '
                                                 'sync, one_step_off, fully_async, reflow'),
-    (["reflow.sampler=nope"], 'config error: reflow.sampler = "nope": registered: medium_reward, random'),
+    (["reflow.sampler=nope"], 'config error: reflow.sampler = "nope": registered: medium_reward, random, recency, reward_variance'),
     (["reflow.replay_filter=nope"], 'config error: reflow.replay_filter = "nope": registered: accept_all, '
                                     'reward_band'),
     (['run.plugins=["no_such_plugin"]'], 'config error: run.plugins = "no_such_plugin": cannot import: '
@@ -63,7 +63,7 @@ BAD = [
     (['run.plugins=["rules_plugin"]', "task.name=plugin_task", "task.max_turns=1"],
      "config error: task.max_turns = 1: plugin_task needs at least 2"),
     (['run.plugins=["rules_plugin"]', "reflow.sampler=plugin_samplr"],
-     'config error: reflow.sampler = "plugin_samplr": registered: medium_reward, plugin_sampler, random'),
+     'config error: reflow.sampler = "plugin_samplr": registered: medium_reward, plugin_sampler, random, recency, reward_variance'),
 ]
 # A rule of simulated runs only: a real run has no simulated heartbeats (its own timeout may be short).
 BAD_SIM = [(["sim.tick_s=500"], "config error: sim.tick_s = 500.0: must be < run.timeout_s (60.0): the simulated "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import random
 import subprocess
 import sys
 
@@ -287,6 +288,49 @@ def test_medium_reward_sampler_picks_only_inside_band():
     b = idx.compose_batch()                # 2 unused + the only 2 eligible replay samples
     assert b.num_replay == 2 and sorted(b.sample_ids[2:]) == [medium[1], medium[3]]
     assert sorted(b.rewards[2:]) == [0.2, 0.5]
+
+
+def test_reward_variance_sampler_replays_only_samples_with_a_group_advantage():
+    idx = make_index(group_size=4, batch_size=4, sigma=0.5, sampler=make_sampler("reward_variance"))
+    finish_group(idx, (1.0, 1.0, 1.0, 1.0))          # all alike: advantage 0 each
+    idx.step_done(idx.compose_batch())
+    varied = finish_group(idx, (0.0, 1.0, 1.0, 0.0))
+    idx.step_done(idx.compose_batch())
+    assert idx.count("replay") == 8 and idx.sampler.available() == 4
+    g = idx.new_group(0)
+    for sid in g.sample_ids[:2]:
+        idx.finished(sid, owner=0, reward=0.9, min_version=0, max_version=0, loss_tokens=3)
+    idx.failed(g.sample_ids[2])
+    idx.failed(g.sample_ids[3])
+    b = idx.compose_batch()
+    assert b.num_replay == 2 and set(b.sample_ids[2:]) <= set(varied)
+    assert all(idx.sample(s).advantage != 0.0 for s in b.sample_ids[2:])
+
+
+def test_recency_sampler_replays_the_newest_versions_first_and_restores_its_picks():
+    from reflow_hpc.core.samplers import RecencySampler
+    s = RecencySampler()
+    recs = [SampleRecord(sample_id=i, group_id=0, prompt_id=0, state="replay", min_version=v)
+            for i, v in enumerate([0, 2, 1, 2, 0, 1, 2])]
+    for r in recs:
+        s.add(r)
+    assert s.available() == 7
+    rng = random.Random(3)
+    first = s.pick(4, rng)
+    assert len(set(first)) == 4 and {1, 3, 6} <= set(first) and (set(first) - {1, 3, 6}) <= {2, 5}
+    s.remove(3)
+    s.remove(99)                                      # never added: ignored
+    assert s.available() == 6
+    clone = RecencySampler()
+    clone.load_state_dict(s.state_dict(), [r for r in recs if r.sample_id != 3])
+    assert clone.pick(3, random.Random(7)) == s.pick(3, random.Random(7))
+    assert sorted(RecencySampler().pick(0, rng)) == []
+
+
+def test_reward_variance_sampler_is_refused_where_the_trainer_computes_advantages():
+    from reflow_hpc.config import ConfigError, load
+    with pytest.raises(ConfigError, match=r"reflow.sampler.*reward_variance.*objective ppo"):
+        load(None, ["reflow.sampler=reward_variance", "algorithm.name=ppo"], check_files=False)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def check_batch(idx: ReplayIndex, b, training) -> None:
 class IndexMachine(RuleBasedStateMachine):
     @initialize(group_size=st.integers(1, 4), batch_size=st.integers(1, 10), sigma=SIGMAS_MACHINE, tau=TAUS,
                 delta=st.integers(0, 2), b_max_factor=st.sampled_from([0.5, 1, 1, 2, 3]),
-                sampler=st.sampled_from(["random", "medium_reward"]),
+                sampler=st.sampled_from(["random", "medium_reward", "reward_variance", "recency"]),
                 replay_filter=st.sampled_from(["accept_all", "reward_band"]),
                 std_norm=st.booleans(), seed=st.integers(0, 2**16))
     def setup(self, group_size, batch_size, sigma, tau, delta, b_max_factor, sampler, replay_filter, std_norm, seed):
@@ -383,7 +383,7 @@ test_dynamic_sampling_state_machine = DynamicSamplingMachine.TestCase
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), group_size=st.integers(1, 4), batch_size=st.integers(4, 12),
        sigma=st.sampled_from([0.25, 0.3, 0.5, 0.7]), tau=TAUS, delta=st.integers(0, 3),
-       sampler=st.sampled_from(["random", "medium_reward"]),
+       sampler=st.sampled_from(["random", "medium_reward", "reward_variance", "recency"]),
        replay_filter=st.sampled_from(["accept_all", "reward_band"]))
 def test_random_workload(seed, group_size, batch_size, sigma, tau, delta, sampler, replay_filter):
     import random
