@@ -27,6 +27,7 @@ Per-step names written by the coordinator (docs/api.md is the reference; every r
 | ``rollout/generated_tokens_per_s`` | tokens the rollout workers generated in the step ÷ step wall time |
 | ``finish_reason/<reason>`` | finished samples so far by how generation ended (stop, length, turns, abort) |
 | ``samples/unused``, ``samples/replay`` | composition of the batch |
+| ``samples/unused_no_signal``, ``samples/replay_no_signal`` | of the batch's unused and of its replayed samples, the share whose advantage is 0 (a group whose rewards were all alike): they add no policy gradient but count in the loss normaliser (NaN when there are none; 1 under ppo, whose trainer computes the advantages) |
 | ``fetch_seconds`` | the slowest replica's time to fetch its samples from their owners |
 | ``buffer/*`` | replay-buffer gauges after the step (``core.GAUGE_NAMES``): ready, replay, training, pending (queued or generating), finished, one count per terminal reason, ``evicted_unused`` (evicted stale before any training: generation spent for nothing), ``created``, ``trained_samples`` (distinct samples trained on) and ``replayed_uses`` (training uses beyond each sample's first) |
 | ``dispatch/budget`` | samples the ``b_max`` window still allows to dispatch in this step |
@@ -100,6 +101,8 @@ class StepMetrics:
             "response_length/mean": _mean(batch.loss_tokens),
             "sync_seconds": math.nan if rec.sync_seconds is None else rec.sync_seconds,
             "samples/unused": batch.num_unused, "samples/replay": batch.num_replay,
+            "samples/unused_no_signal": _zero_share(batch, replay=False),
+            "samples/replay_no_signal": _zero_share(batch, replay=True),
             "tokens": tokens, "fetch_seconds": max((r.fetch_s for r in reports), default=math.nan),
             "partial_rollouts": rec.partial_rollouts,
             "rollout/generated_tokens_per_s": rec.generated_tokens / step_time,
@@ -146,6 +149,11 @@ class StepMetrics:
 def _mean(xs: Any) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else math.nan
+
+
+def _zero_share(batch: Any, *, replay: bool) -> float:
+    """Share of the batch's replayed (or unused) samples whose advantage is 0."""
+    return _mean([a == 0.0 for a, rep in zip(batch.advantages, batch.is_replay) if rep == replay])
 
 
 class MetricsSink:

@@ -38,3 +38,18 @@ def test_resume_appends_and_nan_prints_a_dash(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
     assert "reward -" in progress_line({"step": 3, "reward/mean": float("nan")})
     json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_no_signal_shares_count_zero_advantages_in_each_part_of_the_batch():
+    import math
+
+    from reflow_hpc.core.composition import Batch
+    from reflow_hpc.metrics import _zero_share
+    n = 5
+    b = Batch(step=0, version=0, sample_ids=tuple(range(n)), owners=(0,) * n,
+              is_replay=(False, False, False, True, True), advantages=(0.0, 1.2, -0.4, 0.0, 0.0),
+              loss_weights=(0.2,) * n, loss_tokens=(4,) * n, staleness=(0,) * n, rewards=(1.0,) * n,
+              times_used=(0, 0, 0, 1, 1), queue_s=(0.0,) * n, production_s=(1.0,) * n, replay_fraction=0.4, alpha=0.25)
+    assert _zero_share(b, replay=False) == 1 / 3 and _zero_share(b, replay=True) == 1.0
+    fresh_only = Batch(**{**b.__dict__, "is_replay": (False,) * n})
+    assert _zero_share(fresh_only, replay=False) == 3 / 5 and math.isnan(_zero_share(fresh_only, replay=True))
