@@ -12,6 +12,14 @@ from __future__ import annotations
 import torch
 
 
+def kv_bytes_per_token(hf_config, dtype: torch.dtype, tp: int = 1) -> int:
+    """KV bytes of one token on one rank of an instance of ``tp`` ranks (the KV heads split over the ranks,
+    replicated where there are fewer heads than ranks)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    heads = max(1, hf_config.num_key_value_heads // tp)
+    return 2 * hf_config.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+
+
 class SlotKVCache:
     def __init__(self, *, layers: int, slots: int, kv_heads: int, max_model_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):

@@ -56,7 +56,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .engine import Completion, EngineStats, LimitError, Request, SamplingParams, check_limits, checked_request
-from .kv_cache import SlotKVCache
+from .kv_cache import SlotKVCache, kv_bytes_per_token
 from .qwen3_forward import Qwen3Weights, RopeTable, check_supported, decode, prefill
 from .sampling import sample, stream_key, uniforms
 
@@ -140,8 +140,7 @@ class TorchEngine:
         out-of-memory error deep in the first allocation (every slot holds max_model_len positions)."""
         if self.device.type != "cuda":
             return
-        w = self._weights
-        per_token = 2 * len(w.layers) * w.num_kv_heads * w.head_dim * torch.finfo(dtype).bits // 8
+        per_token = kv_bytes_per_token(self.model.config, dtype)
         need = slots * max_model_len * per_token
         free, _ = torch.cuda.mem_get_info(self.device)
         if need > free:

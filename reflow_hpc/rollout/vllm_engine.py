@@ -70,6 +70,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 
 from .engine import Completion, EngineStats, Request, SamplingParams, check_limits, checked_request
+from .kv_cache import kv_bytes_per_token
 from .sampling import stream_key
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # before vllm is imported: the engine core stays in process
@@ -217,8 +218,8 @@ class VllmEngine:
             blocks = math.ceil(kv_budget_tokens / block) + 1     # + vLLM's null block
             config.cache_config.num_gpu_blocks_override = blocks
             if device == "cpu":
-                config.cache_config.kv_cache_memory_bytes = blocks * block * self._kv_bytes_per_token(hf_config, dtype,
-                                                                                                      self.tp)
+                config.cache_config.kv_cache_memory_bytes = blocks * block * kv_bytes_per_token(
+                    hf_config, getattr(torch, dtype), self.tp)
         if device.startswith("cuda:"):
             config.device_config.device = torch.device(device)   # the executor takes its local rank from it
         self._tally = _Tally()
@@ -253,15 +254,6 @@ class VllmEngine:
                      enforce_eager=cfg.vllm_enforce_eager, device=str(device), tp=tp)
         engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version)
         return engine
-
-    @staticmethod
-    def _kv_bytes_per_token(hf_config, dtype: str, tp: int = 1) -> int:
-        """KV bytes of one token on one rank of the instance (vLLM splits the KV heads over ``tp`` ranks
-        and replicates them where there are fewer heads than ranks)."""
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        size = torch.finfo(getattr(torch, dtype)).bits // 8
-        heads = max(1, hf_config.num_key_value_heads // tp)
-        return 2 * hf_config.num_hidden_layers * heads * head_dim * size
 
     @staticmethod
     def _check_tp(tp: int, hf_config, device: str) -> int:

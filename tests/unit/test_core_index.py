@@ -272,6 +272,15 @@ def test_step_done_reward_band_filters():
     assert idx.terminal_counts()["filtered"] == 2
 
 
+def half_failed_group(idx):
+    """A group of 4 with 2 finished (reward 0.9) and 2 failed: the next batch of 4 needs 2 replay samples."""
+    g = idx.new_group(0)
+    for sid in g.sample_ids[:2]:
+        idx.finished(sid, owner=0, reward=0.9, min_version=0, max_version=0, loss_tokens=3)
+    idx.failed(g.sample_ids[2])
+    idx.failed(g.sample_ids[3])
+
+
 def test_medium_reward_sampler_picks_only_inside_band():
     idx = make_index(group_size=4, batch_size=4, sigma=0.5, sampler=make_sampler(
         "medium_reward", ReflowConfig(reward_low=0.0, reward_high=1.0)))
@@ -280,11 +289,7 @@ def test_medium_reward_sampler_picks_only_inside_band():
     medium = finish_group(idx, (0.0, 0.5, 1.0, 0.2))
     idx.step_done(idx.compose_batch())
     assert idx.count("replay") == 8 and idx.sampler.available() == 2
-    g = idx.new_group(0)
-    for sid in g.sample_ids[:2]:
-        idx.finished(sid, owner=0, reward=0.9, min_version=0, max_version=0, loss_tokens=3)
-    idx.failed(g.sample_ids[2])
-    idx.failed(g.sample_ids[3])
+    half_failed_group(idx)
     b = idx.compose_batch()                # 2 unused + the only 2 eligible replay samples
     assert b.num_replay == 2 and sorted(b.sample_ids[2:]) == [medium[1], medium[3]]
     assert sorted(b.rewards[2:]) == [0.2, 0.5]
@@ -297,11 +302,7 @@ def test_reward_variance_sampler_replays_only_samples_with_a_group_advantage():
     varied = finish_group(idx, (0.0, 1.0, 1.0, 0.0))
     idx.step_done(idx.compose_batch())
     assert idx.count("replay") == 8 and idx.sampler.available() == 4
-    g = idx.new_group(0)
-    for sid in g.sample_ids[:2]:
-        idx.finished(sid, owner=0, reward=0.9, min_version=0, max_version=0, loss_tokens=3)
-    idx.failed(g.sample_ids[2])
-    idx.failed(g.sample_ids[3])
+    half_failed_group(idx)
     b = idx.compose_batch()
     assert b.num_replay == 2 and set(b.sample_ids[2:]) <= set(varied)
     assert all(idx.sample(s).advantage != 0.0 for s in b.sample_ids[2:])
