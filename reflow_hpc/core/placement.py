@@ -40,11 +40,19 @@ Feasible placements are every ``(n_T, n_R)`` with ``n_T·s_T + n_R·s_R = W``, `
 rates are extrapolated linearly (data-parallel replicas; independent engines, so ``g_k`` and ``c``
 stay) to a predicted step time, the fixed point of::
 
-    step'(n_T) = max(t / n_T', (b − r) / (p · n_R' · u(step')))      trainer-bound or supply-bound
+    step'(n_T) = E[max(T, S)],  T ≈ t / n_T',  S ≈ (b − r) / (p · n_R' · u(step'))   trainer- or supply-bound
 
 (``r`` smoothed like ``p`` and ``t``; ``u`` grows with the step time, so the fixed point is unique and
 found by bisection), and the placement that steps fastest is proposed (ties: the current placement,
-then more rollout workers). It is applied only when (1) at least ``cooldown_steps`` steps passed
+then more rollout workers). A step waits for the later of its trainers and its fresh supply, and
+both jitter from step to step (the length mix, group completion), so the maximum of the means
+underestimates it most where the two are balanced (4 CPU ranks at n_T = 3: predicted 0.56–0.68 s
+against 0.69–0.78 s measured). ``T`` and ``S`` are taken as independent normals with the coefficients
+of variation measured per window (smoothed squared deviations from the smoothed means: trainer
+compute ``t``, and the per-window production rate for ``S``; the first window after a switch, which
+refills the pipeline, is left out) and kept across splits: a step needs the same ``b − r`` fresh
+samples whatever the split, so their count, which sets the relative spread, does not change.
+``E[max]`` is Clark's (1961) exact mean of the maximum of two normals. It is applied only when (1) at least ``cooldown_steps`` steps passed
 since the last change, and (2) it is predicted to step faster by more than ``margin`` in log
 (hysteresis: noise around a balance point does not move workers back and forth).
 
@@ -83,7 +91,9 @@ left in the run, ``(step'(current) − step'(proposed)) · steps_left``, exceeds
 floor because the wall time misses most of the cost: the pipeline drains before a switch and refills
 after it (4 CPU ranks: switches of 0.03–0.09 s, but the step after one took 0.99 s against 0.4 s). A
 retreat from a starved placement is exempt from both the margin and the switch cost: its saving was
-measured, and the linear rates are what misjudged that placement in the first place.
+measured, and the linear rates are what misjudged that placement in the first place. It still
+has to pay for its switch, with that measured saving: late in a run no retreat is worth one (4 CPU
+ranks, 60 steps: retreats at steps 46 and 55 cost runs 8–25 % against the split they left).
 """
 
 from __future__ import annotations
@@ -147,6 +157,8 @@ class PlacementPlanner:
         self.window_s: float | None = None  # step time, smoothed (what c is measured against)
         self.last_coverage = (math.nan, math.nan)   # (predicted, observed) usable fresh samples of the latest window
         self.last_step_predicted = math.nan  # the step time predicted for the split in force before the window
+        self.cv2_train = 0.0                # squared coefficient of variation of t per window, smoothed
+        self.cv2_supply = 0.0               # the same of the per-window production rate
 
     # -- feasible placements ------------------------------------------------------------------
 
@@ -187,8 +199,9 @@ class PlacementPlanner:
             return None
         if not above and not math.log(times[n_t] / times[self.proposed]) > self.s.margin:
             return None
-        saving = times[n_t] - times[self.proposed]            # seconds per step
-        if not above and steps_left is not None and not saving * steps_left > self.switch_s:
+        here = self._here[2] / self._here[3] if above and self._here[3] else times[n_t]   # measured when starved
+        saving = here - times[self.proposed]            # seconds per step
+        if steps_left is not None and not saving * steps_left > self.switch_s:
             return None
         return self.proposed
 
@@ -208,6 +221,7 @@ class PlacementPlanner:
         t = w.step_s * (1.0 - min(w.idle_trainer, 0.999)) * n_t
         a = self.s.ema_alpha
         self._measure_staleness(w, a)
+        self._measure_jitter(w, t, busy, a)
         self._produced = w.produced if self._produced is None else a * w.produced + (1 - a) * self._produced
         self._busy = busy if self._busy is None else a * busy + (1 - a) * self._busy
         if self._busy > 0:
@@ -216,6 +230,17 @@ class PlacementPlanner:
         if w.replay_supply is not None:
             r = min(w.replay_supply, self.s.sigma * self.s.batch_size)
             self.supply = r if self.supply is None else a * r + (1 - a) * self.supply
+
+    def _measure_jitter(self, w: Window, t: float, busy: float, a: float) -> None:
+        """Fold the window's relative deviations of t and of the production rate from their smoothed
+        means (before this window) into the squared coefficients of variation. A window with less than
+        half the usual busy rollout time gives no rate worth comparing (the ratio-of-sums argument)."""
+        if self.steps_since_change <= 1:
+            return                       # the first window at a placement refills the pipeline
+        if self.train_s:
+            self.cv2_train = a * (t / self.train_s - 1.0) ** 2 + (1 - a) * self.cv2_train
+        if self.rate and self._busy and busy >= 0.5 * self._busy:
+            self.cv2_supply = a * (w.produced / busy / self.rate - 1.0) ** 2 + (1 - a) * self.cv2_supply
 
     def _measure_staleness(self, w: Window, a: float) -> None:
         self.window_s = w.step_s if self.window_s is None else a * w.step_s + (1 - a) * self.window_s
@@ -270,10 +295,11 @@ class PlacementPlanner:
 
         def gap(step: float) -> float:           # increasing in step: the fixed point is its root
             u = self.usable(step)
-            return step - max(floor, need / (supply * u) if u > 0 else math.inf)
+            return step - expected_max(floor, self.cv2_train, need / (supply * u) if u > 0 else math.inf,
+                                       self.cv2_supply)
 
         if gap(floor) >= 0:
-            return floor                         # trainer-bound
+            return floor                         # trainer-bound, without jitter
         lo, hi = floor, max(floor, need / supply) * 2
         while gap(hi) < 0:
             lo, hi = hi, hi * 2
@@ -329,3 +355,17 @@ class PlacementPlanner:
         b = self.s.batch_size
         supply = self.s.sigma * b if self.supply is None else self.supply
         return max(b - supply, 1.0)
+
+
+def expected_max(m1: float, cv2_1: float, m2: float, cv2_2: float) -> float:
+    """E[max(X1, X2)] of independent normals with means ``m`` and squared coefficients of variation
+    ``cv2`` (Clark 1961); the maximum of the means when neither varies."""
+    if math.isinf(m1) or math.isinf(m2):
+        return math.inf
+    theta = math.sqrt(cv2_1 * m1 * m1 + cv2_2 * m2 * m2)
+    if theta <= 1e-12 * max(m1, m2, 1e-12):
+        return max(m1, m2)
+    alpha = (m1 - m2) / theta
+    cdf = 0.5 * (1.0 + math.erf(alpha / math.sqrt(2.0)))
+    pdf = math.exp(-0.5 * alpha * alpha) / math.sqrt(2.0 * math.pi)
+    return m1 * cdf + m2 * (1.0 - cdf) + theta * pdf

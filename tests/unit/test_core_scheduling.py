@@ -8,7 +8,7 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from reflow_hpc.core.placement import PlacementPlanner, PlacementSettings, Window
+from reflow_hpc.core.placement import PlacementPlanner, PlacementSettings, Window, expected_max
 from reflow_hpc.core.scheduling import EngineLoad, GenerationScheduler, SchedulingSettings
 
 
@@ -168,13 +168,48 @@ def test_a_switch_is_made_when_its_saving_over_the_steps_left_pays_for_it():
     assert pl.switch_s == 4.0 and drive(pl, w, 30, run_steps=40)[-1] == 3
 
 
-def test_a_retreat_from_a_starved_split_is_not_held_back_by_the_switch_cost():
-    pl = planner(n_t=2, switch_cost_s=0.0)
-    drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.8), 4, run_steps=60)
-    assert pl.current == 5                       # the model's balance point, reached while switches were free
-    pl.switch_s = 1e6                            # no predicted saving could pay for a switch now ...
-    history = drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.8), 20, run_steps=40)
-    assert history[-1] == 4 and pl.ceiling == 4  # ... and the measured starvation still moves it back
+def test_a_retreat_from_a_starved_split_pays_for_its_switch_with_the_measured_saving():
+    # 5 trainers measure 2.4 s a step, 4 would take 2.0 s: 0.4 s saved per step left, against a 5 s switch.
+    def starved_at_five(run_steps):
+        pl = planner(n_t=2, switch_cost_s=0.0)
+        drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.8), 4, run_steps=60)
+        assert pl.current == 5                   # the model's balance point, reached while switches were free
+        pl.switch_s = 5.0
+        return pl, drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.8), 12, run_steps=run_steps)
+    pl, history = starved_at_five(40)            # 30-odd steps left: 0.4 s × 30 > 5 s
+    assert history[-1] == 4 and pl.ceiling == 4
+    pl, history = starved_at_five(12)            # at most 9 left when starvation shows: 0.4 s × 9 < 5 s
+    assert set(history) == {5} and pl.ceiling == 4
+
+
+def test_expected_max_is_clarks_mean_of_the_later_of_two_jittery_times():
+    rng = random.Random(0)
+    for m1, cv1, m2, cv2 in [(1.0, 0.2, 1.0, 0.2), (1.0, 0.1, 0.8, 0.3), (2.0, 0.05, 0.5, 0.5)]:
+        mc = sum(max(rng.gauss(m1, cv1 * m1), rng.gauss(m2, cv2 * m2)) for _ in range(50_000)) / 50_000
+        assert math.isclose(expected_max(m1, cv1 ** 2, m2, cv2 ** 2), mc, rel_tol=0.01)
+    assert expected_max(1.0, 0.0, 0.7, 0.0) == 1.0                  # no jitter: the later mean
+    assert expected_max(1.0, 0.04, math.inf, 0.04) == math.inf
+
+
+def test_jitter_lengthens_the_predicted_step_most_where_supply_and_training_balance():
+    # 4 workers. True rates: 20 fresh samples per rollout worker-second, 1.2 s of compute per step on one
+    # replica; 16 fresh samples a step. n_T = 3: 0.4 s of training against 0.8 s of supply; n_T = 2:
+    # 0.6 s against 0.4 s. Per-window jitter of 30 % on both sides at n_T = 2.
+    rng = random.Random(1)
+    pl = planner(n_t=2, workers=4, cooldown_steps=1000)
+    steady = planner(n_t=2, workers=4, cooldown_steps=1000)
+    for _ in range(200):
+        pl.observe(window(20.0 * (1 + rng.gauss(0, 0.3)), 1.2 * (1 + rng.gauss(0, 0.3)), pl))
+        steady.observe(window(20.0, 1.2, steady))
+    assert 0.05 < pl.cv2_train < 0.2 and pl.cv2_supply > 0.02
+    assert steady.cv2_train < 1e-6 and steady.cv2_supply < 1e-6
+    assert math.isclose(steady.step_time(2), 0.6, rel_tol=0.02)
+    for n_t in (1, 2, 3):
+        assert pl.step_time(n_t) > steady.step_time(n_t) * 0.95
+    # the split nearest its balance gains the most (n_T = 2: 0.6 against 0.4), the most lopsided the least
+    gain = {k: pl.step_time(k) / max(pl.train_s / k, pl.fresh_target() / (pl.rate * pl.rollouts(k)))
+            for k in (1, 2, 3)}
+    assert gain[2] > gain[3] > 1.0 and gain[2] > gain[1], gain
 
 
 # ------------------------------------------------------------------------------------- generation
