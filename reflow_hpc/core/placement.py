@@ -48,8 +48,8 @@ then more rollout workers). A step waits for the later of its trainers and its f
 both jitter from step to step (the length mix, group completion), so the maximum of the means
 underestimates it most where the two are balanced (4 CPU ranks at n_T = 3: predicted 0.56–0.68 s
 against 0.69–0.78 s measured). ``T`` and ``S`` are taken as independent normals with the coefficients
-of variation measured per window (smoothed squared deviations from the smoothed means: trainer
-compute ``t``, and the per-window production rate for ``S``; the first window after a switch, which
+of variation measured per window (from smoothed first and second moments of trainer compute ``t``
+and of the per-window production rate for ``S``, kept apart from the plan's rates; the first window after a switch, which
 refills the pipeline, is left out) and kept across splits: a step needs the same ``b − r`` fresh
 samples whatever the split, so their count, which sets the relative spread, does not change.
 ``E[max]`` is Clark's (1961) exact mean of the maximum of two normals. It is applied only when (1) at least ``cooldown_steps`` steps passed
@@ -157,8 +157,8 @@ class PlacementPlanner:
         self.window_s: float | None = None  # step time, smoothed (what c is measured against)
         self.last_coverage = (math.nan, math.nan)   # (predicted, observed) usable fresh samples of the latest window
         self.last_step_predicted = math.nan  # the step time predicted for the split in force before the window
-        self.cv2_train = 0.0                # squared coefficient of variation of t per window, smoothed
-        self.cv2_supply = 0.0               # the same of the per-window production rate
+        self._jitter_t: list[float] | None = None   # [mean, mean square] of t per window, smoothed
+        self._jitter_p: list[float] | None = None   # the same of the per-window production rate
 
     # -- feasible placements ------------------------------------------------------------------
 
@@ -232,15 +232,28 @@ class PlacementPlanner:
             self.supply = r if self.supply is None else a * r + (1 - a) * self.supply
 
     def _measure_jitter(self, w: Window, t: float, busy: float, a: float) -> None:
-        """Fold the window's relative deviations of t and of the production rate from their smoothed
-        means (before this window) into the squared coefficients of variation. A window with less than
-        half the usual busy rollout time gives no rate worth comparing (the ratio-of-sums argument)."""
+        """Fold the window's t and production rate into smoothed first and second moments of their own,
+        kept apart from the rates the plan uses: those are seeded by the run's first window, which
+        refills the pipeline (trainers idle almost throughout, so t near 0), and a deviation measured
+        from such a mean is hundreds of times the mean, a squared coefficient of variation that took
+        the rest of a 60-step run to decay (predicted steps of 38 s against 0.4 s measured). A window
+        with less than half the usual busy rollout time gives no rate worth comparing (the
+        ratio-of-sums argument)."""
         if self.steps_since_change <= 1:
             return                       # the first window at a placement refills the pipeline
-        if self.train_s:
-            self.cv2_train = a * (t / self.train_s - 1.0) ** 2 + (1 - a) * self.cv2_train
-        if self.rate and self._busy and busy >= 0.5 * self._busy:
-            self.cv2_supply = a * (w.produced / busy / self.rate - 1.0) ** 2 + (1 - a) * self.cv2_supply
+        self._jitter_t = _fold_moments(self._jitter_t, t, a)
+        if busy > 0 and self._busy and busy >= 0.5 * self._busy:
+            self._jitter_p = _fold_moments(self._jitter_p, w.produced / busy, a)
+
+    @property
+    def cv2_train(self) -> float:
+        """Squared coefficient of variation of t per window, smoothed."""
+        return _cv2(self._jitter_t)
+
+    @property
+    def cv2_supply(self) -> float:
+        """Squared coefficient of variation of the per-window production rate, smoothed."""
+        return _cv2(self._jitter_p)
 
     def _measure_staleness(self, w: Window, a: float) -> None:
         self.window_s = w.step_s if self.window_s is None else a * w.step_s + (1 - a) * self.window_s
@@ -355,6 +368,18 @@ class PlacementPlanner:
         b = self.s.batch_size
         supply = self.s.sigma * b if self.supply is None else self.supply
         return max(b - supply, 1.0)
+
+
+def _fold_moments(m: list[float] | None, x: float, a: float) -> list[float]:
+    if m is None:
+        return [x, x * x]
+    return [a * x + (1 - a) * m[0], a * x * x + (1 - a) * m[1]]
+
+
+def _cv2(m: list[float] | None) -> float:
+    if m is None or not m[0] > 0:
+        return 0.0
+    return max(m[1] / (m[0] * m[0]) - 1.0, 0.0)
 
 
 def expected_max(m1: float, cv2_1: float, m2: float, cv2_2: float) -> float:

@@ -212,6 +212,20 @@ def test_jitter_lengthens_the_predicted_step_most_where_supply_and_training_bala
     assert gain[2] > gain[3] > 1.0 and gain[2] > gain[1], gain
 
 
+def test_a_first_window_that_refills_the_pipeline_does_not_inflate_the_jitter():
+    # the run's first step: the trainers waited for the first batch throughout (t near 0), the rollout
+    # workers produced a few samples; then steady windows. Jitter measured against means seeded by that
+    # window once predicted 38 s steps for a 0.4 s one on 4 CPU ranks.
+    pl = planner(n_t=2, workers=4, cooldown_steps=1000)
+    steady = planner(n_t=2, workers=4, cooldown_steps=1000)
+    pl.observe(Window(produced=2, step_s=0.5, idle_trainer=1.0, idle_rollout=0.9))
+    for _ in range(3):
+        pl.observe(window(20.0, 1.2, pl))
+        steady.observe(window(20.0, 1.2, steady))
+    assert pl.cv2_train < 1e-6 and pl.cv2_supply < 1e-6
+    assert pl.step_time(2) < 1.5 * steady.step_time(2)
+
+
 # ------------------------------------------------------------------------------------- generation
 
 def sched(**kw):
