@@ -131,7 +131,7 @@ def sampled_scores(cfg: Config, model, tokenizer, task: Task, prompts: PromptSet
     if not prompts.indices:
         return {"reward": float("nan")}
     scored = scored_episodes(model, tokenizer, task, prompts.prompts, sampling=sampling_params(cfg.rollout),
-                             samples_per_prompt=cfg.run.eval_samples, max_concurrency=cfg.rollout.max_concurrency,
+                             samples_per_prompt=cfg.run.eval_samples, max_concurrency=cfg.run.eval_concurrency,
                              seed=cfg.run.seed + 1, chat_template=cfg.task.chat_template)
     out = {"reward": sum(r for r, _, _ in scored) / len(scored)}
     formed = [r for r, ok, _ in scored if ok]
