@@ -16,12 +16,16 @@ engine are interchangeable behind it:
 A request is one sample. A partial sample returned by ``abort_all`` can be added again with its
 partial response as ``Request.response_prefix``; the engine re-prefills prompt + prefix under the
 weights it holds now and continues, so one sample may carry tokens of several policy versions.
+Such continuations are admitted before fresh prompts (:func:`enqueue`): their tokens age against δ
+with every step they wait, and a sample handed over by a worker that left the rollout pool would
+otherwise wait behind the receiver's whole queue.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol, runtime_checkable
+from typing import Callable, Iterable, Mapping, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -131,6 +135,21 @@ def checked_request(request: Request, *, vocab_size: int, max_model_len: int) ->
                          f"rollout.max_model_len ({max_model_len})")
     return Request(rid, prompt.astype(np.int32), sp, prefix.astype(np.int32), lp.astype(np.float32),
                    ver.astype(np.int32))
+
+
+Q = TypeVar("Q")
+
+
+def enqueue(queue: deque[Q], item: Q, continues: Callable[[Q], bool]) -> None:
+    """Queue ``item`` for admission: a continuation (``continues``: it carries generated tokens) goes
+    after the queued continuations and ahead of every fresh prompt; a fresh prompt goes last."""
+    if not continues(item):
+        queue.append(item)
+        return
+    i = len(queue)
+    while i and not continues(queue[i - 1]):
+        i -= 1
+    queue.insert(i, item)
 
 
 @runtime_checkable

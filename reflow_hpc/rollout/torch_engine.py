@@ -55,7 +55,8 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .engine import Completion, EngineStats, LimitError, Request, SamplingParams, check_limits, checked_request
+from .engine import (Completion, EngineStats, LimitError, Request, SamplingParams, check_limits, checked_request,
+                     enqueue)
 from .kv_cache import SlotKVCache, kv_bytes_per_token
 from .qwen3_forward import Qwen3Weights, RopeTable, check_supported, decode, prefill
 from .sampling import sample, stream_key, uniforms
@@ -75,6 +76,10 @@ class _Sequence:
     versions: np.ndarray | None      # int32 [c], aligned with tokens (-1 on the prompt)
     row: int = -1
     admitted: int = -1               # admission counter: larger = admitted more recently
+
+
+def _continues(seq: _Sequence) -> bool:
+    return len(seq.tokens) > seq.prompt_len
 
 
 class TorchEngine:
@@ -169,7 +174,7 @@ class TorchEngine:
         if len(seq.tokens) >= seq.limit:
             self._ready.append(self._completion_of(seq, seq.tokens, seq.logprobs, seq.versions, "length"))
             return
-        self._queue.append(seq)
+        enqueue(self._queue, seq, _continues)
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:

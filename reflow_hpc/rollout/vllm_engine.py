@@ -69,7 +69,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from .engine import Completion, EngineStats, Request, SamplingParams, check_limits, checked_request
+from .engine import Completion, EngineStats, Request, SamplingParams, check_limits, checked_request, enqueue
 from .kv_cache import kv_bytes_per_token
 from .sampling import stream_key
 
@@ -160,6 +160,10 @@ def _reload(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         if len(modules) > 1:
             for module in modules:
                 module.quant_method.process_weights_after_loading(module)
+
+
+def _continues(request: Request) -> bool:
+    return len(request.response_prefix) > 0
 
 
 class VllmEngine:
@@ -295,7 +299,7 @@ class VllmEngine:
                                                 list(request.prefix_logprobs), list(request.prefix_versions),
                                                 "length"))
             return
-        self._queue.append(request)
+        enqueue(self._queue, request, _continues)
 
     def step(self) -> list[Completion]:
         """Admit up to the cap, run one vLLM step, return the requests that finished."""

@@ -103,9 +103,11 @@ def test_a_tensor_parallel_instance_runs_colocated_and_split(tmp_path, policy_di
 
 
 # 6 ranks: blocks {0,1} {2,3} {4,5}. Four trainers and the instance {4,5}; after step 2 the block {2,3}
-# becomes an instance (2 trainers, 2 instances), after step 4 it trains again and hands its samples over.
+# becomes an instance (2 trainers, 2 instances), after step 4 it trains again and hands its samples over;
+# four more steps give the receiver time to finish some of them (they are admitted first, but each step
+# is short and a slow host finishes few samples in two).
 SWITCH6 = ("rollout.engine=vllm", "reflow.mode=reflow", "resources.workers=6", "resources.trainer_replicas=4",
-           "resources.rollout_instances=1", "resources.rollout_tp_size=2", "trainer.steps=6", "trainer.batch_size=16",
+           "resources.rollout_instances=1", "resources.rollout_tp_size=2", "trainer.steps=8", "trainer.batch_size=16",
            "algorithm.group_size=4", "reflow.sync_every=1", "reflow.delta=2", "rollout.max_concurrency=16",
            "rollout.max_new_tokens=96", "reflow.b_max=256", "scheduler.elastic=false",
            'scheduler.placement_schedule=["2:2","4:4"]',
@@ -121,12 +123,12 @@ def test_an_instance_switches_roles_both_ways_on_six_ranks(tmp_path, policy_dir)
     on the other one with their tokens and versions; the replicas stay identical; nothing is lost."""
     clear_stale_shm()
     run_dir, metrics, summary, proc = run(tmp_path, policy_dir, *SWITCH6, timeout=600)
-    assert summary["steps"] == 6 and summary["accounting_ok"] and ended_every_sample(summary), summary["buffer"]
+    assert summary["steps"] == 8 and summary["accounting_ok"] and ended_every_sample(summary), summary["buffer"]
     assert summary["buffer"]["buffer/lost"] == summary["buffer"]["buffer/failed"] == 0
     assert summary["placements"] == [[2, 2], [4, 4]]
-    assert [m["pool/trainers"] for m in metrics] == [4, 4, 2, 2, 4, 4]
+    assert [m["pool/trainers"] for m in metrics] == [4, 4, 2, 2, 4, 4, 4, 4]
     assert [(m["role/2"], m["role/3"]) for m in metrics] == \
-        [("trainer", "trainer")] * 2 + [("rollout", "rollout")] * 2 + [("trainer", "trainer")] * 2
+        [("trainer", "trainer")] * 2 + [("rollout", "rollout")] * 2 + [("trainer", "trainer")] * 4
     switched = [m["step"] for m in metrics if "role_switch_seconds/to_trainer" in m
                 or "role_switch_seconds/to_rollout" in m]
     assert switched == [3, 5]

@@ -212,6 +212,24 @@ def test_continuous_batching_admits_new_requests_while_others_run(weights):
     assert finished_order == [1, 2, 0]
 
 
+def test_a_continuation_is_admitted_before_queued_fresh_prompts(weights):
+    """A sample handed over (or resumed) with generated tokens goes ahead of fresh prompts that queued
+    before it, after continuations that queued earlier: its tokens age against δ while it waits."""
+    engine = engine_with(weights[0], max_concurrency=1)
+    rng = np.random.default_rng(3)
+    engine.add(Request(0, prompt(rng, 5), SamplingParams(max_new_tokens=4)))
+    engine.step()                                   # 0 holds the only slot
+    for rid in (1, 2):
+        engine.add(Request(rid, prompt(rng, 5), SamplingParams(max_new_tokens=4)))
+    for rid in (3, 4):                              # continuations, as a hand-over delivers them
+        engine.add(Request(rid, prompt(rng, 5), SamplingParams(max_new_tokens=6), np.array([7, 8], np.int32),
+                           np.array([-0.5, -0.5], np.float32), np.array([0, 0], np.int32)))
+    order = []
+    while engine.has_unfinished():
+        order += [c.request_id for c in engine.step()]
+    assert order == [0, 3, 4, 1, 2]
+
+
 def test_prefill_token_cap_spreads_admissions_over_steps(weights):
     engine = engine_with(weights[0], max_concurrency=4, max_prefill_tokens=10)
     rng = np.random.default_rng(8)
