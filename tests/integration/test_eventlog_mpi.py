@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 def test_event_log_write_failure_ends_the_job_with_one_line_and_a_rerun_loses_nothing(tmp_path, policy_dir):
     name = f"evlog{uuid.uuid4().hex[:6]}"
     timeout_s = 90
-    sets = ["reflow.mode=reflow", "trainer.batch_size=16", "algorithm.group_size=4", "storage.flush_rows=1",
+    sets = ["reflow.mode=reflow", "trainer.batch_size=32", "algorithm.group_size=4", "storage.flush_rows=1",
             "trainer.steps=12", "checkpoint.every_steps=3", "scheduler.elastic=false", "run.eval_prompts=0"]
     args = run_argv(tmp_path, policy_dir, name, *sets, timeout_s=timeout_s)
     run_dir = tmp_path / name
@@ -50,9 +50,19 @@ def test_event_log_write_failure_ends_the_job_with_one_line_and_a_rerun_loses_no
         else:
             pytest.fail("no checkpoint after 400 s")
         rank0 = json.loads((run_dir / "topology.json").read_text())["ranks"][0]["pid"]
+        # The size limit is the process's, so the event log must be the first file to reach it: wait until
+        # the metrics file is at least two of its records below the log (32 samples a step write about
+        # twice the metrics' bytes to the log; with 16 the two grew alike and a step record could hit first).
+        metrics_file = run_dir / "metrics.jsonl"
+        while True:
+            record = max((len(ln) + 1 for ln in metrics_file.read_text().splitlines()), default=0)
+            if log.stat().st_size - metrics_file.stat().st_size > 2 * record:
+                break
+            assert time.monotonic() < deadline, "the event log never outgrew the metrics file"
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
         # A few bytes past the log's end: the next write is cut short mid-line, as on a disk that fills.
         limit = log.stat().st_size + 10
-        assert limit > (run_dir / "metrics.jsonl").stat().st_size
         resource.prlimit(rank0, resource.RLIMIT_FSIZE, (limit, limit))
         t0 = time.monotonic()
         out, err = proc.communicate(timeout=3 * timeout_s)
