@@ -97,7 +97,8 @@ class ElasticPool:
             window = Window(rec.produced, step_s, min(1.0, idle_t), min(1.0, idle_r),
                             replay_supply=rec.gauges.get("buffer/replay", 0) if replays else 0,
                             production=rec.production, trained_fresh=trained_fresh,
-                            evicted_unused=max(0, evicted - self.evicted_unused))
+                            evicted_unused=max(0, evicted - self.evicted_unused),
+                            trained=list(zip(b.is_replay, b.loss_tokens)))
             self.evicted_unused = evicted
             new = self.planner.observe(window, steps_left=steps - steps_done)
             rec.placement_mismatch = self.planner.last_mismatch

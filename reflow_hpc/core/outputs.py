@@ -47,7 +47,7 @@ class StepRecord:
     roles: dict[int, str] = field(default_factory=dict)      # every rank's role during the step
     switches: list[dict[str, Any]] = field(default_factory=list)   # role switches that completed during the step
     produced: int = 0            # fresh samples that finished during the step
-    production: list[tuple[int, float]] = field(default_factory=list)   # (tokens, dispatch → finish s) of those
+    production: list[tuple[int, float, int]] = field(default_factory=list)   # (tokens, dispatch → finish s, prompt tokens)
                                  # (collected for the placement planner only)
     placement_mismatch: float = math.nan   # the planner's |log(coverage / target)| of the split in force
     placement_coverage: tuple[float, float] = (math.nan, math.nan)   # usable fresh samples: (predicted, observed)

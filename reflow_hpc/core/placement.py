@@ -35,12 +35,30 @@ so a sample of bucket ``k`` is usable with probability ``clamp(δ + 1 − c − 
 usable fraction ``u(step)`` is the buckets' mean weighted by their counts (1 when the mode has no
 staleness bound, or before anything was measured).
 
+The batch's composition. A split does not train the batch another split trains: the more fresh samples
+finish during a step, the more of its ``b`` slots they take (at least ``b − r``, at most ``b``), and
+the fewer replays fill; fresh and replayed samples differ in length, and fresh ones by the split too
+(a faster step loses more of the long tail to δ). So ``T`` is not ``t / n_T'`` but a step's tokens
+times the compute per token: from each trained batch the planner smooths the replica compute seconds
+per token (``t`` over the batch's response tokens plus ``b`` × the mean prompt tokens of the fresh
+production), the mean response tokens of its fresh and of its replayed samples, and predicts for a
+step of ``step`` seconds at a split that finishes ``A = p·n_R'·step·u(step)`` usable fresh samples in it::
+
+    f = min(b, max(A, b − r))                 fresh samples in the batch
+    T = cost · (b·prompt + f·L_fresh(step) + (b − f)·L_replay) / n_T'
+
+``L_fresh`` is the measured mean scaled by the ratio of the usable buckets' mean lengths at ``step``
+and at the step time it was measured at. (4 CPU ranks, ``cpu_drift.toml``: moving from n_T = 3 to 2
+took a step from 1,029–1,080 tokens to 1,356, fresh samples filling the slots replays had, and a
+trainer replica's compute per step 2.1× where ``t / n_T'`` predicted 1.5×.) Before a batch was
+measured, and in tests that give none, ``T = t / n_T'``.
+
 Feasible placements are every ``(n_T, n_R)`` with ``n_T·s_T + n_R·s_R = W``, ``n_T ≥ 1`` and
 ``n_R ≥ 1`` (``s_T``, ``s_R``: workers per trainer replica and per rollout instance). For each the
 rates are extrapolated linearly (data-parallel replicas; independent engines, so ``g_k`` and ``c``
 stay) to a predicted step time, the fixed point of::
 
-    step'(n_T) = E[max(T, S)],  T ≈ t / n_T',  S ≈ (b − r) / (p · n_R' · u(step'))   trainer- or supply-bound
+    step'(n_T) = E[max(T, S)],  T ≈ t / n_T' (but see the batch's composition),  S ≈ (b − r) / (p · n_R' · u(step'))
 
 (``r`` smoothed like ``p`` and ``t``; ``u`` grows with the step time, so the fixed point is unique and
 found by bisection), and the placement that steps fastest is proposed (ties: the current placement,
@@ -129,9 +147,11 @@ class Window:
     idle_trainer: float              # fraction of the window
     idle_rollout: float
     replay_supply: float | None = None   # replay samples the next batch can draw (None: the σ·b it may)
-    production: Sequence[tuple[int, float]] = ()   # (response tokens, seconds dispatch → finish) per fresh sample
+    production: Sequence[tuple[int, float, int]] = ()   # (response tokens, seconds dispatch → finish, prompt tokens)
+                                                        # per fresh sample
     trained_fresh: Sequence[tuple[int, float]] = ()   # (staleness, production seconds) per fresh sample trained
     evicted_unused: int = 0              # fresh samples that ended as too stale in the window, never trained
+    trained: Sequence[tuple[bool, int]] = ()   # (replayed, response tokens) per sample of the step's batch
 
 
 class PlacementPlanner:
@@ -152,7 +172,8 @@ class PlacementPlanner:
         self.ceiling_rates = (0.0, 0.0)  # (p, t) when the ceiling was set
         self._here = [0.0, 0.0, 0.0, 0]  # Σ idle_T, Σ idle_R, Σ step_s, windows at this placement after its first
         self.switch_s = settings.switch_cost_s   # what a switch costs: the setting, or the latest measured if longer
-        self.buckets: dict[int, list[float]] = {}   # length bucket -> [samples, Σ production s], per window, smoothed
+        self.buckets: dict[int, list[float]] = {}   # length bucket -> [samples, Σ production s, Σ tokens], smoothed
+        self.batch_cost = BatchCost()       # compute per token and the batch's lengths (the split's composition)
         self.offset: float | None = None    # c: staleness − g / step of trained fresh samples, smoothed
         self.window_s: float | None = None  # step time, smoothed (what c is measured against)
         self.last_coverage = (math.nan, math.nan)   # (predicted, observed) usable fresh samples of the latest window
@@ -227,6 +248,7 @@ class PlacementPlanner:
         if self._busy > 0:
             self.rate = self._produced / self._busy
         self.train_s = t if self.train_s is None else a * t + (1 - a) * self.train_s
+        self.batch_cost.observe(w, t, self.window_s, a)
         if w.replay_supply is not None:
             r = min(w.replay_supply, self.s.sigma * self.s.batch_size)
             self.supply = r if self.supply is None else a * r + (1 - a) * self.supply
@@ -260,13 +282,14 @@ class PlacementPlanner:
         if self.s.delta is None:
             return
         seen: dict[int, list[float]] = {}
-        for tokens, g in w.production:
-            b = seen.setdefault(max(int(tokens), 1).bit_length(), [0.0, 0.0])
+        for tokens, g, _ in w.production:
+            b = seen.setdefault(max(int(tokens), 1).bit_length(), [0.0, 0.0, 0.0])
             b[0] += 1
             b[1] += g
+            b[2] += tokens
         for k in set(self.buckets) | set(seen):
-            old, new = self.buckets.get(k, [0.0, 0.0]), seen.get(k, [0.0, 0.0])
-            self.buckets[k] = [a * new[0] + (1 - a) * old[0], a * new[1] + (1 - a) * old[1]]
+            old, new = self.buckets.get(k, [0.0, 0.0, 0.0]), seen.get(k, [0.0, 0.0, 0.0])
+            self.buckets[k] = [a * x + (1 - a) * y for x, y in zip(new, old)]
         if w.trained_fresh and self.window_s > 0:
             c = sum(st - g / self.window_s for st, g in w.trained_fresh) / len(w.trained_fresh)
             self.offset = c if self.offset is None else a * c + (1 - a) * self.offset
@@ -276,10 +299,37 @@ class PlacementPlanner:
         if self.s.delta is None or self.offset is None or not self.buckets or not step_s > 0:
             return 1.0
         room = self.s.delta + 1.0 - self.offset
-        total = sum(n for n, _ in self.buckets.values())
+        total = sum(b[0] for b in self.buckets.values())
         if total <= 0:
             return 1.0
-        return sum(n * min(max(room - g / n / step_s, 0.0), 1.0) for n, g in self.buckets.values() if n > 0) / total
+        return sum(n * min(max(room - g / n / step_s, 0.0), 1.0) for n, g, _ in self.buckets.values() if n > 0) / total
+
+    def _usable_length(self, step_s: float) -> float:
+        """Mean response tokens of the fresh samples still within δ at this step time (by bucket)."""
+        if self.s.delta is None or self.offset is None or not step_s > 0:
+            return math.nan
+        room = self.s.delta + 1.0 - self.offset
+        weights = [(n * min(max(room - g / n / step_s, 0.0), 1.0), tokens / n)
+                   for n, g, tokens in self.buckets.values() if n > 0]
+        total = sum(u for u, _ in weights)
+        return sum(u * length for u, length in weights) / total if total > 0 else math.nan
+
+    def trainer_s(self, n_t: int, step_s: float, arrivals: float) -> float:
+        """Compute time of one step on ``n_t`` trainer replicas when ``arrivals`` usable fresh samples
+        finish in a step of ``step_s``: the batch takes them (at least the fresh target, at most ``b``)
+        and replays fill the rest (module docstring). Without a measured compute per token, ``t / n_t``."""
+        if self.train_s is None:
+            return math.nan
+        cost = self.batch_cost
+        if not cost.known:
+            return self.train_s / n_t
+        fresh = min(float(self.s.batch_size), max(arrivals, self.fresh_target()))
+        scale = 1.0                       # the usable lengths change with the step time; the batch gives the level
+        if cost.measured_at is not None:
+            here, there = self._usable_length(cost.measured_at), self._usable_length(step_s)
+            if here > 0 and there > 0:
+                scale = there / here
+        return cost.compute_s(self.s.batch_size, fresh, scale) / n_t
 
     def _propose(self, n_t: int, starved_step_s: float | None, rate: float,
                  train_s: float) -> tuple[dict[int, float], bool]:
@@ -287,7 +337,7 @@ class PlacementPlanner:
         of every placement considered, and whether the current one is above the ceiling."""
         everything = self.feasible()
         fewer = [k for k in everything if k < n_t]
-        if starved_step_s is not None and fewer and train_s / max(fewer) < starved_step_s:
+        if starved_step_s is not None and fewer and self._trainer_bound(max(fewer), starved_step_s) < starved_step_s:
             self.ceiling = max(fewer)
             self.ceiling_rates = (rate, train_s)
         feasible = [k for k in everything if self.ceiling is None or k <= self.ceiling or k == n_t]
@@ -298,22 +348,33 @@ class PlacementPlanner:
                             key=lambda k: (times[k], k != self.current, k), default=n_t)
         return times, above
 
+    def _trainer_bound(self, n_t: int, step_s: float) -> float:
+        """Compute time of a step of ``step_s`` on ``n_t`` replicas, with that split's fresh supply."""
+        arrivals = (self.rate or 0.0) * self.rollouts(n_t) * step_s * self.usable(step_s)
+        return self.trainer_s(n_t, step_s, arrivals)
+
     def step_time(self, n_t: int) -> float:
         """Predicted step time of the placement with ``n_t`` trainer replicas (module docstring)."""
         if self.rate is None or self.train_s is None:
             return math.nan
-        supply, need, floor = self.rate * self.rollouts(n_t), self.fresh_target(), self.train_s / n_t
+        supply, need = self.rate * self.rollouts(n_t), self.fresh_target()
         if supply <= 0:
             return math.inf
 
+        def train(step: float) -> float:
+            return self.trainer_s(n_t, step, supply * step * self.usable(step))
+
         def gap(step: float) -> float:           # increasing in step: the fixed point is its root
             u = self.usable(step)
-            return step - expected_max(floor, self.cv2_train, need / (supply * u) if u > 0 else math.inf,
+            return step - expected_max(train(step), self.cv2_train, need / (supply * u) if u > 0 else math.inf,
                                        self.cv2_supply)
 
+        floor = self.train_s / n_t
+        for _ in range(8):                       # trainer-bound: the step whose batch takes that long (it
+            floor = train(floor)                 # grows with the fresh samples a longer step gathers)
         if gap(floor) >= 0:
             return floor                         # trainer-bound, without jitter
-        lo, hi = floor, max(floor, need / supply) * 2
+        lo, hi = 0.0, max(floor, need / supply) * 2
         while gap(hi) < 0:
             lo, hi = hi, hi * 2
             if hi > 1e9 * max(floor, 1e-9):
@@ -368,6 +429,58 @@ class PlacementPlanner:
         b = self.s.batch_size
         supply = self.s.sigma * b if self.supply is None else self.supply
         return max(b - supply, 1.0)
+
+
+class BatchCost:
+    """What a step's batch costs to train, from the batches trained so far: replica compute seconds per
+    token (prompt and response), and the mean response tokens of its fresh and its replayed samples and
+    the mean prompt tokens, each smoothed as a ratio of sums (module docstring: the batch's composition)."""
+
+    def __init__(self) -> None:
+        self.prompt: float | None = None           # mean prompt tokens of fresh production
+        self.fresh: list[float] | None = None      # [Σ response tokens, samples] of trained fresh samples
+        self.replay: list[float] | None = None     # the same of trained replayed samples
+        self.cost: list[float] | None = None       # [t, the batch's tokens] per window
+        self.measured_at: float | None = None      # the (smoothed) step time of the latest fresh lengths
+
+    @property
+    def known(self) -> bool:
+        return self.cost is not None and self.fresh is not None and self.cost[1] > 0 and self.fresh[1] > 0
+
+    def observe(self, w: Window, t: float, step_s: float | None, a: float) -> None:
+        """Fold one window's batch in; ``t``: its replica compute seconds. A window whose trainers waited
+        throughout (the run's first) tells nothing of the cost."""
+        if w.production:
+            prompt = sum(p for _, _, p in w.production) / len(w.production)
+            self.prompt = prompt if self.prompt is None else a * prompt + (1 - a) * self.prompt
+        if not w.trained:
+            return
+        fresh = [n for replayed, n in w.trained if not replayed]
+        replay = [n for replayed, n in w.trained if replayed]
+        if fresh:
+            self.fresh = _fold_sum(self.fresh, sum(fresh), len(fresh), a)
+            self.measured_at = step_s
+        if replay:
+            self.replay = _fold_sum(self.replay, sum(replay), len(replay), a)
+        tokens = sum(n for _, n in w.trained) + len(w.trained) * (self.prompt or 0.0)
+        if t > 0 and tokens > 0 and w.idle_trainer < 0.999:
+            self.cost = _fold_sum(self.cost, t, tokens, a)
+
+    def compute_s(self, b: int, fresh: float, fresh_scale: float = 1.0) -> float:
+        """Replica compute seconds of a batch of ``b`` samples, ``fresh`` of them fresh (their mean length
+        scaled by ``fresh_scale``), the rest replayed."""
+        assert self.cost is not None and self.fresh is not None
+        fresh_len = self.fresh[0] / self.fresh[1] * fresh_scale
+        replay_len = self.replay[0] / self.replay[1] if self.replay and self.replay[1] > 0 else fresh_len
+        tokens = b * (self.prompt or 0.0) + fresh * fresh_len + (b - fresh) * replay_len
+        return self.cost[0] / self.cost[1] * tokens
+
+
+def _fold_sum(m: list[float] | None, total: float, count: float, a: float) -> list[float]:
+    """[Σ, count] smoothed alike, so that their ratio weighs each window by its count."""
+    if m is None:
+        return [total, count]
+    return [a * total + (1 - a) * m[0], a * count + (1 - a) * m[1]]
 
 
 def _fold_moments(m: list[float] | None, x: float, a: float) -> list[float]:

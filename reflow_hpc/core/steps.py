@@ -31,7 +31,8 @@ class TrainingStep:
         self.generated = {w: 0 for w in workers}        # cumulative generated tokens, as reported
         self.generated_at_last_step = 0
         self.produced = 0                        # fresh samples finished since the last step
-        self.production: list[tuple[int, float]] = []   # their (tokens, production s), for the placement planner
+        self.production: list[tuple[int, float, int]] = []   # their (tokens, production s, prompt tokens), for the
+                                                             # placement planner
         self.records_production = production     # (only the elastic pool's planner reads them)
         self.switches: list[dict[str, Any]] = []  # role switches completed since the last step
         self.fresh_rewards: list[float] = []     # mean reward of each step's unused samples
@@ -47,7 +48,8 @@ class TrainingStep:
         """A worker's cumulative rollout idle time and generated tokens (they only grow), and the tokens and
         dispatch-to-finish seconds of the ``samples`` it finished that the index still holds."""
         if self.records_production and index is not None:
-            self.production.extend((s[4], now - index.sample(s[0]).created_at) for s in samples if s[0] in index)
+            self.production.extend((s[4], now - index.sample(s[0]).created_at, _prompt_tokens(s))
+                                   for s in samples if s[0] in index)
         if idle_s > self.rollout_idle[worker]:          # (comparisons: it runs for every finished sample)
             self.rollout_idle[worker] = idle_s
         if generated_tokens > self.generated[worker]:
@@ -121,3 +123,8 @@ def split_balanced(loss_tokens: tuple[int, ...], parts: int) -> list[list[int]]:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _prompt_tokens(s: Sequence[Any]) -> int:
+    """Prompt tokens of a finished sample (its total less its response; 0 where the total is not known)."""
+    return max(int(s[7]) - int(s[4]), 0) if len(s) > 7 and s[7] else 0

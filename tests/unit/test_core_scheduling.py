@@ -182,6 +182,48 @@ def test_a_retreat_from_a_starved_split_pays_for_its_switch_with_the_measured_sa
     assert set(history) == {5} and pl.ceiling == 4
 
 
+def composition_window(pl, p=16.0, cost=0.001, prompt=10, fresh_len=60, replay_len=20, b=32, report=True):
+    """4 workers, a step of ``b`` = 32 samples, 16 of them fresh at least. The trainers' compute is
+    ``cost`` replica-seconds per token of the batch: prompts plus responses, fresh ones 3× as long as
+    the replayed ones. A split with more rollout workers gathers more fresh samples per step, so its
+    batch is longer: n_T = 3 trains 16 + 16 in 0.53 s and waits 1.0 s for its one rollout worker;
+    n_T = 2 gathers 32 fresh and trains them in 1.12 s, not the 0.8 s of 1.6 s / 2.
+    ``report``: whether the window carries the batch (without it the planner has only t / n_T)."""
+    n_t, n_r = pl.current, pl.rollouts(pl.current)
+
+    def fresh_in(step):
+        return min(b, max(16, p * n_r * step))
+
+    def compute(step):
+        f = fresh_in(step)
+        return cost * (b * prompt + f * fresh_len + (b - f) * replay_len) / n_t
+
+    step = 0.1
+    for _ in range(100):
+        step = max(compute(step), 16 / (p * n_r))
+    f = round(fresh_in(step))
+    produced = min(round(p * n_r * step), b)
+    return Window(produced=produced, step_s=step, idle_trainer=max(0.0, 1 - compute(step) / step),
+                  idle_rollout=max(0.0, 1 - produced / (p * n_r * step)),
+                  production=[(fresh_len, 0.5, prompt)] * produced if report else (),
+                  trained=[(False, fresh_len)] * f + [(True, replay_len)] * (b - f) if report else ())
+
+
+def test_the_step_time_of_another_split_counts_the_tokens_of_the_batch_it_would_train():
+    # (4 CPU ranks at n_T = 3 moved to 2 predicted at 0.46-0.6 s and measured 0.9-1.1 s: more fresh
+    # samples, longer than the replays they displaced, 1.29x the tokens a step.)
+    pl = planner(n_t=3, workers=4, switch_cost_s=0.0)
+    history = drive(pl, composition_window, 30)
+    assert set(history) == {3}, history
+    assert math.isclose(pl.step_time(3), 1.0, rel_tol=0.02)
+    assert math.isclose(pl.step_time(2), 1.12, rel_tol=0.05)
+    assert math.isclose(pl.step_time(1), 2.24, rel_tol=0.05)     # 32 fresh on one replica
+    # Knowing only t, the planner takes 2:2 for 0.8 s, moves, and finds 1.12 s.
+    blind = planner(n_t=3, workers=4, switch_cost_s=0.0)
+    history = drive(blind, lambda pl: composition_window(pl, report=False), 30)
+    assert 2 in history, history
+
+
 def test_expected_max_is_clarks_mean_of_the_later_of_two_jittery_times():
     rng = random.Random(0)
     for m1, cv1, m2, cv2 in [(1.0, 0.2, 1.0, 0.2), (1.0, 0.1, 0.8, 0.3), (2.0, 0.05, 0.5, 0.5)]:
@@ -335,7 +377,7 @@ def long_tail_window(pl: PlacementPlanner, rng: random.Random, *, p=4.0, train_s
         elif len(trained) < 16:
             trained.append((staleness, g))
     return Window(produced=produced, step_s=step, idle_trainer=max(0.0, 1 - train_s / n_t / step),
-                  idle_rollout=0.0, production=[(t, g) for t, g in kinds], trained_fresh=trained,
+                  idle_rollout=0.0, production=[(t, g, 0) for t, g in kinds], trained_fresh=trained,
                   evicted_unused=evicted)
 
 
@@ -368,7 +410,7 @@ def test_usable_fraction_grows_with_the_step_time_and_is_one_without_a_bound():
     pl = planner(delta=1)
     assert pl.usable(0.5) == 1.0                      # nothing measured yet
     pl.observe(Window(produced=2, step_s=1.0, idle_trainer=0.0, idle_rollout=0.0,
-                      production=[(10, 0.2), (1000, 3.0)], trained_fresh=[(0, 0.2)]))
+                      production=[(10, 0.2, 0), (1000, 3.0, 0)], trained_fresh=[(0, 0.2)]))
     us = [pl.usable(s) for s in (0.5, 1.0, 2.0, 4.0, 100.0)]
     assert us == sorted(us) and us[0] == 0.5 and us[-1] == 1.0, us
     assert planner().usable(0.01) == 1.0              # no δ: every fresh sample is usable
