@@ -176,8 +176,11 @@ def warmstart(cfg: "Config", out: str | Path | None = None, log=print) -> Warmst
                     f"{time.perf_counter() - t0:.0f} s")
         model.eval()
         after = measure()
-        log(f"warm start: held-out greedy exact match {before:.3f} before, {after:.3f} after "
-            f"({len(held_out)} {task.name} prompts)")
+        if held_out:
+            log(f"warm start: held-out greedy exact match {before:.3f} before, {after:.3f} after "
+                f"({len(held_out)} {task.name} prompts)")
+        else:
+            log("warm start: no held-out check (warmstart.eval_prompts = 0)")
         save_policy(model, tokenizer, path)
         write_atomic(path / RECIPE, json.dumps(recipe(cfg), indent=1, sort_keys=True) + "\n")
         log(f"warm start: saved {path} in {time.perf_counter() - t0:.0f} s")
