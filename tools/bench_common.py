@@ -107,6 +107,36 @@ def busy_rate(rec: dict) -> float:
     return v if v is not None and rec.get("generated_tokens") else math.nan
 
 
+def gen_cpu_share(rec: dict) -> float:
+    """The share of a core the rank's main thread got while it generated (nan without generation)."""
+    cpu, wall = rec.get("generate_cpu_s"), rec.get("generate_s")
+    return cpu / wall if cpu is not None and wall and rec.get("generated_tokens") else math.nan
+
+
+def tokens_per_cpu_s(rec: dict) -> float:
+    """Tokens per CPU second of generation: the engine's cost per token, whatever share it got (nan if none)."""
+    v = rec.get("generation_tokens_per_cpu_s")
+    return v if v is not None and rec.get("generated_tokens") else math.nan
+
+
+def service_cpu_s(rec: dict) -> float:
+    """CPU seconds of the rank's service thread (commands, heartbeats, fetches it answers); nan if unrecorded."""
+    threads = rec.get("thread_cpu_s")
+    return sum(v for k, v in threads.items() if k.startswith("service")) if threads is not None else math.nan
+
+
+def mean_batch(rec: dict) -> float:
+    """Generated tokens per decode forward: the mean running requests of the rank's engine (nan if uncounted)."""
+    steps = rec.get("decode_steps")
+    return rec["generated_tokens"] / steps if steps and rec.get("generated_tokens") else math.nan
+
+
+def prefill_per_token(rec: dict) -> float:
+    """Prefilled tokens per generated token: prompts, and the re-prefills aborts and preemptions cost."""
+    pre = rec.get("prefilled_tokens")
+    return pre / rec["generated_tokens"] if pre is not None and rec.get("generated_tokens") else math.nan
+
+
 def rank_profile(records: list[dict]) -> dict:
     """Medians over some ranks' records (one run's, or every run of a mode): busy generation rate of the
     ranks that generated, CPU share, throttled share of the wall time, OS and torch threads."""
@@ -114,6 +144,8 @@ def rank_profile(records: list[dict]) -> dict:
         return median([f(r) for r in records])
     return {"ranks": len(records),
             "busy_gen_tokens_per_s": med(busy_rate),
+            "gen_cpu_share": med(gen_cpu_share),
+            "gen_tokens_per_cpu_s": med(tokens_per_cpu_s),
             "cpu_share": med(rank_cpu_share),
             "throttled_share": med(lambda r: r["throttled_s"] / r["wall_s"]
                                    if r.get("throttled_s") is not None and r.get("wall_s") else math.nan),
@@ -122,6 +154,8 @@ def rank_profile(records: list[dict]) -> dict:
 
 
 FLAGGED_PROFILE = (("busy_gen_tokens_per_s", "per-rank busy generation rate", "{:.0f} tok/s"),
+                   ("gen_tokens_per_cpu_s", "generation tokens per CPU second", "{:.0f}"),
+                   ("gen_cpu_share", "CPU share of generation while busy", "{:.2f}"),
                    ("threads", "threads per rank", "{:.0f}"), ("torch_threads", "torch threads per rank", "{:.0f}"))
 
 
@@ -180,10 +214,17 @@ def ranks_table(runs: list[tuple[str, list[dict]]]) -> str:
     for label, records in runs:
         for r in sorted(records, key=lambda r: r.get("rank", 0)):
             rows.append({"run": label, "rank": r.get("rank"), "role": r.get("role"), "busy": busy_rate(r),
-                         "gen_s": r.get("generate_s"), "cpu": rank_cpu_s(r), "share": rank_cpu_share(r),
+                         "gen_s": r.get("generate_s"), "gen_share": gen_cpu_share(r), "per_cpu": tokens_per_cpu_s(r),
+                         "batch": mean_batch(r), "prefill": prefill_per_token(r),
+                         "cpu": rank_cpu_s(r), "share": rank_cpu_share(r), "service": service_cpu_s(r),
+                         "other": r.get("other_threads_cpu_s"), "children": r.get("children_cpu_s"),
                          "throttled": r.get("throttled_s"), "threads": r.get("threads"),
                          "torch": r.get("torch_threads")})
     return table(rows, [("run", "run", "{}"), ("rank", "rank", "{}"), ("role", "role", "{}"),
-                        ("busy gen tok/s", "busy", "{:.0f}"), ("gen s", "gen_s", "{:.1f}"), ("CPU s", "cpu", "{:.1f}"),
-                        ("CPU share", "share", "{:.2f}"), ("throttled s", "throttled", "{:.1f}"),
+                        ("busy gen tok/s", "busy", "{:.0f}"), ("gen s", "gen_s", "{:.1f}"),
+                        ("gen CPU share", "gen_share", "{:.2f}"), ("gen tok/CPU s", "per_cpu", "{:.0f}"),
+                        ("batch", "batch", "{:.2f}"), ("prefill/gen", "prefill", "{:.2f}"),
+                        ("CPU s", "cpu", "{:.1f}"), ("CPU share", "share", "{:.2f}"), ("service CPU s", "service", "{:.1f}"),
+                        ("other threads CPU s", "other", "{:.1f}"), ("children CPU s", "children", "{:.1f}"),
+                        ("throttled s", "throttled", "{:.1f}"),
                         ("threads", "threads", "{}"), ("torch threads", "torch", "{}")])

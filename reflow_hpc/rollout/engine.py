@@ -73,6 +73,8 @@ class EngineStats:
     kv_tokens_budget: int = 0
     preemptions: int = 0          # cumulative
     generated_tokens: int = 0     # cumulative
+    prefilled_tokens: int = 0     # cumulative, re-prefills after an abort or preemption included (0: not counted)
+    decode_steps: int = 0         # cumulative forwards that decoded a token per running request (0: not counted)
     version: int = 0
 
 

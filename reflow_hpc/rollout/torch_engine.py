@@ -139,6 +139,8 @@ class TorchEngine:
         self._admissions = 0
         self._preemptions = 0
         self._generated = 0
+        self._prefilled = 0       # tokens prefilled, re-prefills included: what aborts and preemptions cost
+        self._decode_steps = 0
 
     def _check_cache_fits(self, slots: int, max_model_len: int, dtype: torch.dtype) -> None:
         """On CUDA, a slot cache larger than the device's free memory is a LimitError naming the keys, not an
@@ -265,7 +267,8 @@ class TorchEngine:
         n = len(self._running)
         return EngineStats(running=n, queued=len(self._queue), kv_tokens_used=int(self._length[:n].sum()),
                            kv_tokens_budget=self.kv_budget_tokens, preemptions=self._preemptions,
-                           generated_tokens=self._generated, version=self.version)
+                           generated_tokens=self._generated, prefilled_tokens=self._prefilled,
+                           decode_steps=self._decode_steps, version=self.version)
 
     def has_unfinished(self) -> bool:
         return bool(self._running or self._queue or self._ready)
@@ -412,6 +415,7 @@ class TorchEngine:
         rows = torch.tensor([s.row for s in todo], device=self.device)
         lengths = torch.from_numpy(lengths_host).to(self.device)
         width = int(lengths_host.max())
+        self._prefilled += int(lengths_host.sum())
         prefill(self._weights, self._rope, self._cache.k, self._cache.v,
                 self._tokens[rows, :width], lengths, rows)
 
@@ -433,6 +437,7 @@ class TorchEngine:
         length += 1
         self._length[:b] += 1
         self._generated += b
+        self._decode_steps += 1
 
         done = length >= self._limit_dev[:b]
         if self._stop.shape[1]:

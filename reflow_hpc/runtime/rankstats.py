@@ -21,6 +21,12 @@ in one line. The keys of a record:
 | ``threads`` | the process's threads at the stop (``/proc/self/status``) |
 | ``torch_threads``, ``torch_interop_threads`` | torch's intra-op and inter-op thread pools |
 | ``generate_s`` | wall seconds the worker spent stepping its engine with requests in flight |
+| ``generate_cpu_s`` | CPU seconds its main thread used over those wall seconds (``generate_cpu_s`` ÷ ``generate_s``: the share of a core generation got while it had work; below the cap when other threads of the rank, or its children, took the rest) |
+| ``prefilled_tokens``, ``decode_steps`` | the engine's prefilled tokens (re-prefills after a weight sync's abort or a preemption included) and its decode forwards (``generated_tokens`` ÷ ``decode_steps``: the mean running requests per decode); None where the engine does not count them (vLLM) |
+| ``generation_tokens_per_cpu_s`` | ``generated_tokens`` ÷ ``generate_cpu_s``: the engine's cost per token, whatever share of the CPU it got (None without generation) |
+| ``thread_cpu_s`` | CPU seconds of each Python thread over the account's time, by thread name: those alive at the stop (``MainThread``, the coordinator's thread on rank 0) and the service thread (``service-<rank>``), which ends at the Stop |
+| ``other_threads_cpu_s`` | CPU seconds of the process's other threads (torch's and the MPI library's pools, threads that ended): the process's own CPU time less ``thread_cpu_s`` |
+| ``children_cpu_s`` | CPU seconds of the child processes the rank waited for (a code sandbox's servers, a reward scorer) |
 | ``generated_tokens`` | tokens its engine generated (a tensor-parallel follower's count as its leader's: 0) |
 | ``busy_generation_tokens_per_s`` | ``generated_tokens`` ÷ ``generate_s`` (None without generation) |
 | ``train_s``, ``train_steps`` | wall seconds spent in training steps (fetch included) and their number |
@@ -32,6 +38,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -113,10 +120,28 @@ def cgroup_cpu(proc_cgroup: str | None = None, root: Path = CGROUP_ROOT) -> dict
     return out
 
 
+def _rusage_s(who: int) -> float:
+    u = resource.getrusage(who)
+    return u.ru_utime + u.ru_stime
+
+
 def process_cpu_s() -> float:
     """User + system CPU seconds of this process's threads and of the children it waited for."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return _rusage_s(resource.RUSAGE_SELF) + _rusage_s(resource.RUSAGE_CHILDREN)
+
+
+def python_threads_cpu_s() -> dict[int, tuple[str, float]]:
+    """CPU seconds of every live Python thread so far, by thread ident: (name, seconds). A thread whose
+    clock cannot be read (it ended meanwhile, or the platform has no per-thread clocks) is left out."""
+    out: dict[int, tuple[str, float]] = {}
+    for t in threading.enumerate():
+        if t.ident is None:
+            continue
+        try:
+            out[t.ident] = (t.name, time.clock_gettime(time.pthread_getcpuclockid(t.ident)))
+        except (OSError, AttributeError, OverflowError):
+            pass
+    return out
 
 
 def thread_count() -> int | None:
@@ -134,13 +159,29 @@ class RankAccount:
 
     def __init__(self) -> None:
         self.t0, self.cpu0, self.group0 = time.monotonic(), process_cpu_s(), cgroup_cpu()
+        self.self0, self.children0 = _rusage_s(resource.RUSAGE_SELF), _rusage_s(resource.RUSAGE_CHILDREN)
+        self.threads0 = python_threads_cpu_s()
         self.started = time.time()
 
     def record(self, rank: int, role: str, generate_s: float, generated_tokens: int | None, train_s: float,
-               train_steps: int) -> dict[str, Any]:
+               train_steps: int, generate_cpu_s: float | None = None,
+               ended: tuple[tuple[int, str, float], ...] = (),
+               engine_counts: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
+        """``ended``: (ident, name, CPU seconds) of threads that ended before the stop (the service thread)."""
         group = cgroup_cpu()
         rec: dict[str, Any] = {"rank": rank, "role": role, "wall_s": time.monotonic() - self.t0,
                                "cpu_s": process_cpu_s() - self.cpu0, "cpu_group": group["cpu_group"]}
+        # Where the rank's CPU went, thread by thread: a thread born after the account started counts whole.
+        threads: dict[str, float] = {}
+        live = python_threads_cpu_s()
+        for ident, name, s in ended:
+            live.setdefault(ident, (name, s))
+        for ident, (name, s) in live.items():
+            before = self.threads0.get(ident)
+            threads[name] = threads.get(name, 0.0) + s - (before[1] if before and before[0] == name else 0.0)
+        rec["thread_cpu_s"] = threads
+        rec["other_threads_cpu_s"] = max(0.0, _rusage_s(resource.RUSAGE_SELF) - self.self0 - sum(threads.values()))
+        rec["children_cpu_s"] = _rusage_s(resource.RUSAGE_CHILDREN) - self.children0
         for key in ("cgroup_cpu_s", "periods", "throttled_periods", "throttled_s"):
             now, then = group[key], self.group0[key]
             rec[key] = now - then if now is not None and then is not None and group["cpu_group"] == \
@@ -154,6 +195,10 @@ class RankAccount:
         rec.update({"threads": thread_count(), "generate_s": generate_s, "generated_tokens": generated_tokens,
                     "busy_generation_tokens_per_s": (generated_tokens / generate_s
                                                      if generate_s > 0 and generated_tokens is not None else None),
+                    "generate_cpu_s": generate_cpu_s,
+                    "prefilled_tokens": engine_counts[0], "decode_steps": engine_counts[1],
+                    "generation_tokens_per_cpu_s": (generated_tokens / generate_cpu_s
+                                                    if generate_cpu_s and generated_tokens is not None else None),
                     "train_s": train_s, "train_steps": train_steps, "stopped_at": time.time()})
         return rec
 
@@ -167,7 +212,16 @@ def worker_record(worker: Any) -> dict[str, Any]:
         tokens = worker._generated_tokens()
     except Exception:  # noqa: BLE001 - an engine that no longer answers after its stop: the time alone
         tokens = None
-    return worker.account.record(rank, role, worker.generate_s, tokens, worker.train_s, worker.train_steps)
+    service = getattr(getattr(worker, "rt", None), "service", None)
+    ended = ((service.ident, service.name, service.cpu_s),) if service is not None and service.cpu_s is not None \
+        else ()
+    try:
+        st = worker.engine.stats() if worker.engine is not None and worker.follower is None else None
+        counts = (st.prefilled_tokens or None, st.decode_steps or None) if st is not None else (None, None)
+    except Exception:  # noqa: BLE001 - as above
+        counts = (None, None)
+    return worker.account.record(rank, role, worker.generate_s, tokens, worker.train_s, worker.train_steps,
+                                 worker.generate_cpu_s, ended, counts)
 
 
 def record_path(run_dir: Path, rank: int) -> Path:

@@ -30,6 +30,7 @@ class ServiceThread(threading.Thread):
         self.last_heard = time.monotonic()       # last message from the coordinator
         self.heartbeat: Callable[[], None] | None = None
         self.heartbeat_s = 0.0
+        self.cpu_s: float | None = None          # this thread's CPU seconds, set when it ends (rankstats)
 
     def add_poller(self, poll: Callable[[], bool]) -> None:
         self.pollers.append(poll)
@@ -65,6 +66,8 @@ class ServiceThread(threading.Thread):
                 self._on_fatal("service thread", e)
             else:
                 fatal(self.channel.rank, "service thread", e, comm=self.channel.comm)
+        finally:
+            self.cpu_s = time.thread_time()
 
     def next_command(self, timeout: float, op: str) -> Any:
         """The next command for the main thread; RankTimeout naming the coordinator after ``timeout``."""

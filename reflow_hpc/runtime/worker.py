@@ -128,6 +128,7 @@ class Worker:
         self.switches = 0                   # Switch commands so far
         # The rank's account for the benchmarks (rankstats.py): busy generation and training time.
         self.generate_s, self.train_s, self.train_steps = 0.0, 0.0, 0
+        self.generate_cpu_s = 0.0          # the main thread's CPU over generate_s: the share generation got
         self.account = RankAccount()
         self.handlers: dict[type, Callable[[Any], None]] = {
             Dispatch: self._dispatch, Train: self._train, SyncWeights: self._sync_weights, Drop: self._drop,
@@ -300,9 +301,10 @@ class Worker:
                 backoff.progress()
                 continue
             if busy:
-                t_gen = time.monotonic()
+                t_gen, c_gen = time.monotonic(), time.thread_time()
                 self._generate()
                 self.generate_s += time.monotonic() - t_gen
+                self.generate_cpu_s += time.thread_time() - c_gen
             elif followed:
                 backoff.progress()
             else:

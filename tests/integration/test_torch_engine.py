@@ -318,6 +318,8 @@ def test_partial_rollout_continues_under_new_weights(weights, referees):
         engine.add(Request(i, prompt(rng, 4 + i), sp))
     for _ in range(8):
         assert engine.step() == []
+    # 8 decodes of the 2 admitted requests, after prefilling their prompts but the last token (3 + 4)
+    assert (engine.stats().decode_steps, engine.stats().prefilled_tokens) == (8, 7)
     partials = engine.abort_all()
     assert not engine.has_unfinished() and engine.stats().running == engine.stats().queued == 0
     assert sorted(c.request_id for c in partials) == [0, 1, 2]
@@ -330,6 +332,8 @@ def test_partial_rollout_continues_under_new_weights(weights, referees):
     for c in partials:
         engine.add(c.as_request(sp))
     out = run(engine)
+    # the price of the abort: both partial samples prefilled again with their 8 generated tokens (11 + 12)
+    assert engine.stats().prefilled_tokens == 7 + 11 + 12 + 5
     # The continuation must be exactly what the new weights produce from the same partial sample.
     fresh = engine_with(weights[1], version=1)
     for c in partials:

@@ -4,11 +4,13 @@ record it writes and rank 0's gathering, on fake cgroup trees and a stand-in wor
 from __future__ import annotations
 
 import json
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
+from reflow_hpc.rollout.engine import EngineStats
 from reflow_hpc.runtime import rankstats
 
 
@@ -42,13 +44,14 @@ def test_cgroup_v2_and_no_group_of_its_own(tmp_path):
     assert rankstats.cgroup_cpu("", tmp_path)["cgroup_cpu_s"] is None
 
 
-def worker(rank=1, trainers=(0,), rollouts=(1,), generate_s=4.0, tokens=2000):
+def worker(rank=1, trainers=(0,), rollouts=(1,), generate_s=4.0, tokens=2000, generate_cpu_s=2.5):
     def generated():
         if tokens is None:
             raise RuntimeError("engine stopped")
         return tokens
     return SimpleNamespace(rank=rank, trainers=trainers, rollouts=rollouts, follower=None, leader=rank,
-                           generate_s=generate_s, train_s=0.0, train_steps=0, account=rankstats.RankAccount(),
+                           engine=SimpleNamespace(stats=lambda: EngineStats(prefilled_tokens=300, decode_steps=1000)),
+                           generate_s=generate_s, generate_cpu_s=generate_cpu_s, train_s=0.0, train_steps=0, account=rankstats.RankAccount(),
                            _generated_tokens=generated)
 
 
@@ -57,6 +60,8 @@ def test_a_stopped_workers_record(tmp_path):
     assert rec["rank"] == 1 and rec["role"] == "rollout" and rec["generated_tokens"] == 2000
     assert rec["busy_generation_tokens_per_s"] == pytest.approx(500.0)
     assert rec["wall_s"] >= 0 and rec["cpu_s"] >= 0 and rec["threads"] >= 1
+    assert rec["generation_tokens_per_cpu_s"] == pytest.approx(800.0)
+    assert (rec["prefilled_tokens"], rec["decode_steps"]) == (300, 1000)
     assert rankstats.worker_record(worker(rank=0, trainers=(0,), rollouts=(0,)))["role"] == "trainer+rollout"
     idle = rankstats.worker_record(worker(rank=2, generate_s=0.0, tokens=None))
     assert idle["role"] == "idle" and idle["busy_generation_tokens_per_s"] is None and idle["generated_tokens"] is None
@@ -76,3 +81,30 @@ def test_records_are_written_and_gathered_in_rank_order(tmp_path, capsys):
     # a record that cannot be made is one line, not an error
     rankstats.write_record(tmp_path, SimpleNamespace(rank=5))
     assert "rank 5: rank record not written" in capsys.readouterr().err
+
+
+def test_the_account_says_which_thread_used_the_cpu():
+    """A thread that spins while the account runs shows under its own name with about the CPU it used,
+    and the process's other threads are what is left of its own CPU time."""
+    account = rankstats.RankAccount()
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=spin, name="spinner", daemon=True)
+    t.start()
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.3:                # the main thread's own share
+        sum(range(1000))
+    time.sleep(0.2)
+    rec = account.record(0, "rollout", 1.0, 100, 0.0, 0, generate_cpu_s=None,
+                         ended=((-1, "service-0", 0.25),))    # a thread gone before the stop: its own figure
+    stop.set()
+    t.join()
+    threads = rec["thread_cpu_s"]
+    assert threads["spinner"] > 0.05 and threads["MainThread"] >= 0.3 and threads["service-0"] == 0.25
+    assert rec["other_threads_cpu_s"] >= 0 and rec["children_cpu_s"] >= 0
+    assert rec["cpu_s"] >= threads["spinner"] + threads["MainThread"] - 0.05
+    assert rec["generate_cpu_s"] is None and rec["generation_tokens_per_cpu_s"] is None
