@@ -23,10 +23,15 @@ The runs are ``bench-<mode>`` (first pass) and ``bench-<mode>-<k>`` (pass k), li
 Per rank (``reflow_hpc/runtime/rankstats.py``, summary.json's ``ranks``) it reports the busy generation
 rate (tokens ÷ seconds the engine had requests in flight), the CPU seconds of the rank's cgroup (of its
 process where the cgroup does not account CPU: cgroup v1 with ``cpuacct`` mounted apart) and that as a
-share of one core, the time its CPU quota held it back, and its OS and torch thread counts: a table of
+share of one core, the time its CPU quota held it back, and its OS and torch thread counts; to tell a
+rank that got less CPU from one whose tokens cost more, also the share of a core its generation got while
+busy, its tokens per CPU second of generation, its engine's mean running requests per decode and prefilled
+tokens per generated token (re-prefills after aborts), and the CPU of its service thread, other threads
+and children: a table of
 every rank of every run, the medians per mode as columns of the main table (``gen/rank``, ``CPU/rank``,
 ``threads``; in the JSON rows ``rank_profile`` and ``ranks``, each pass's records), and a line ``FLAG: …``
-for a mode whose per-rank busy generation rate or thread count differs by more than 25 % from sync's
+for a mode whose per-rank busy generation rate, tokens per CPU second, CPU share of generation or thread
+count differs by more than 25 % from sync's
 (every mode runs at equal caps, the same ``--cpu-quota``, so a rank should generate as fast in any mode;
 a CPU share may differ, since a waiting rank uses less), and for a rank with no CPU cgroup although a
 quota was asked for or above its cap. The JSON object's ``flags`` lists them.
