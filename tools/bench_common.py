@@ -18,21 +18,84 @@ from reflow_hpc.metrics import read_jsonl  # noqa: E402
 from reflow_hpc.sim.report import table  # noqa: E402,F401  (rows, [(header, key, format)]) -> right-aligned text
 
 
-def run(config: str, name: str, sets: list[str], out: Path, timeout: float) -> tuple[Path, list[dict], dict, float]:
-    """One run in ``out/name`` (no resume, shards under ``out/scratch``); (run dir, step metrics, summary, wall s).
-    A failed run ends the benchmark with its output."""
-    args = [sys.executable, "-m", "reflow_hpc.run", config, "--set", f"run.output_dir={out}", "--set", f"run.name={name}",
-            "--set", f"storage.dir={out / 'scratch' / name}", "--set", "checkpoint.resume=false"]
+# The machine's own speed drifts on a shared host (the same mode's tokens per CPU second differed by 40 %
+# between runs minutes apart: docs/results.md, 2026-12-06), so every run is bracketed by a fixed probe.
+PROBE_CPU_S = 1.0            # CPU seconds of fixed generation per probe (back to back, probes agree within ~8 %)
+_probe_engine: dict = {}
+
+
+def machine_probe(config: str, sets: list[str]) -> float:
+    """Tokens per CPU second of a fixed generation by the run's policy in this process
+    (the same prompts and seed every time, at most 2 running requests, one torch thread): the machine's speed
+    now, to compare a rank's tokens per CPU second against. nan when the policy cannot be loaded here (a
+    vLLM-only config)."""
+    import numpy as np
+    import torch
+
+    from reflow_hpc.rollout.engine import Request, SamplingParams
+    try:
+        from reflow_hpc.config import load
+        cfg = load(config, sets)
+        key = (str(Path(cfg.model.path).resolve()), cfg.model.dtype)
+        if key not in _probe_engine:
+            from reflow_hpc.policy import load_policy
+            from reflow_hpc.rollout.torch_engine import TorchEngine
+            model, _ = load_policy(cfg.model.path, cfg.model.dtype, "cpu")
+            length = min(64, model.config.max_position_embeddings - 16)
+            _probe_engine[key] = (TorchEngine(model, max_concurrency=2, kv_budget_tokens=4 * (length + 16),
+                                              max_model_len=length + 16, seed=0), length)
+            machine_probe(config, sets)           # the first probe warms the allocator and caches up: not counted
+        engine, length = _probe_engine[key]
+    except Exception:  # noqa: BLE001 - a probe is a reading, never a failed benchmark
+        return math.nan
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokens, t0, i = 0, time.thread_time(), 0
+        while time.thread_time() - t0 < PROBE_CPU_S:
+            for k in range(2):
+                engine.add(Request(i * 2 + k, np.arange(4, 12, dtype=np.int32),
+                                   SamplingParams(temperature=1.0, max_new_tokens=length, seed=k)))
+            while engine.has_unfinished():
+                tokens += sum(len(c.response) for c in engine.step())
+            i += 1
+        return tokens / (time.thread_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+PROBE_FILE = "machine_probe.json"
+
+
+def probed_run(config: str, sets: list[str], run_dir: Path, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    """``python -m reflow_hpc.run config --set …`` (``sets`` name the run's directory, ``run_dir``), bracketed by
+    the machine probe, whose readings go to ``run_dir/machine_probe.json`` (``before``, ``after``: tokens per
+    CPU second); (the finished process, its wall seconds)."""
+    args = [sys.executable, "-m", "reflow_hpc.run", config]
     for s in sets:
         args += ["--set", s]
+    before = machine_probe(config, sets)
     t0 = time.monotonic()
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     wall = time.monotonic() - t0
+    if r.returncode == 0 and Path(run_dir).is_dir():
+        (Path(run_dir) / PROBE_FILE).write_text(json.dumps({"before": before, "after": machine_probe(config, sets)}))
+    return r, wall
+
+
+def run(config: str, name: str, sets: list[str], out: Path, timeout: float) -> tuple[Path, list[dict], dict, float]:
+    """One run in ``out/name`` (no resume, shards under ``out/scratch``); (run dir, step metrics, summary, wall s).
+    A failed run ends the benchmark with its output. The summary's ``ranks`` carry the machine probe around
+    the run (:func:`rank_records`)."""
+    run_dir = out / name
+    r, wall = probed_run(config, [f"run.output_dir={out}", f"run.name={name}", f"storage.dir={out / 'scratch' / name}",
+                                  "checkpoint.resume=false", *sets], run_dir, timeout)
     if r.returncode != 0:
         raise SystemExit(f"{Path(sys.argv[0]).name}: run {name} failed (exit {r.returncode}):\n"
                          f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-    run_dir = out / name
-    return run_dir, read_jsonl(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text()), wall
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["ranks"] = rank_records(run_dir, summary)
+    return run_dir, read_jsonl(run_dir / "metrics.jsonl"), summary, wall
 
 
 def prepare(config: str, sets: list[str]):
@@ -77,15 +140,22 @@ RANK_TOLERANCE = 0.25        # a difference between modes (or runs) above this i
 
 def rank_records(run_dir: Path, summary: dict) -> list[dict]:
     """A run's per-rank records: summary.json's ``ranks``, else the ``ranks/`` files ([] for a run made
-    before the runtime kept them)."""
-    if summary.get("ranks"):
-        return list(summary["ranks"])
-    out = []
-    for p in sorted((Path(run_dir) / "ranks").glob("rank*.json")):
-        try:
-            out.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            pass
+    before the runtime kept them); each with ``machine_tokens_per_cpu_s``, the mean of the machine probe
+    before and after the run (None for a run without one)."""
+    out = [dict(r) for r in summary.get("ranks") or []]
+    if not out:
+        for p in sorted((Path(run_dir) / "ranks").glob("rank*.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                pass
+    try:
+        probe = json.loads((Path(run_dir) / PROBE_FILE).read_text())
+        speed = mean([probe.get("before"), probe.get("after")])
+    except (OSError, ValueError, AttributeError):
+        speed = None
+    for rec in out:
+        rec["machine_tokens_per_cpu_s"] = speed if speed is not None and not math.isnan(speed) else None
     return out
 
 
@@ -125,6 +195,14 @@ def service_cpu_s(rec: dict) -> float:
     return sum(v for k, v in threads.items() if k.startswith("service")) if threads is not None else math.nan
 
 
+def tokens_per_cpu_s_vs_machine(rec: dict) -> float:
+    """The rank's tokens per CPU second of generation ÷ the machine probe's around its run: its engine's
+    speed with the machine's drift taken out (nan without either)."""
+    probe = rec.get("machine_tokens_per_cpu_s")
+    v = tokens_per_cpu_s(rec)
+    return v / probe if probe and not math.isnan(probe) else math.nan
+
+
 def mean_batch(rec: dict) -> float:
     """Generated tokens per decode forward: the mean running requests of the rank's engine (nan if uncounted)."""
     steps = rec.get("decode_steps")
@@ -146,6 +224,7 @@ def rank_profile(records: list[dict]) -> dict:
             "busy_gen_tokens_per_s": med(busy_rate),
             "gen_cpu_share": med(gen_cpu_share),
             "gen_tokens_per_cpu_s": med(tokens_per_cpu_s),
+            "gen_speed_vs_machine": med(tokens_per_cpu_s_vs_machine),
             "cpu_share": med(rank_cpu_share),
             "throttled_share": med(lambda r: r["throttled_s"] / r["wall_s"]
                                    if r.get("throttled_s") is not None and r.get("wall_s") else math.nan),
@@ -154,7 +233,7 @@ def rank_profile(records: list[dict]) -> dict:
 
 
 FLAGGED_PROFILE = (("busy_gen_tokens_per_s", "per-rank busy generation rate", "{:.0f} tok/s"),
-                   ("gen_tokens_per_cpu_s", "generation tokens per CPU second", "{:.0f}"),
+                   ("gen_speed_vs_machine", "generation tokens per CPU second ÷ the machine probe's", "{:.2f}"),
                    ("gen_cpu_share", "CPU share of generation while busy", "{:.2f}"),
                    ("threads", "threads per rank", "{:.0f}"), ("torch_threads", "torch threads per rank", "{:.0f}"))
 
@@ -216,6 +295,7 @@ def ranks_table(runs: list[tuple[str, list[dict]]]) -> str:
             rows.append({"run": label, "rank": r.get("rank"), "role": r.get("role"), "busy": busy_rate(r),
                          "gen_s": r.get("generate_s"), "gen_share": gen_cpu_share(r), "per_cpu": tokens_per_cpu_s(r),
                          "batch": mean_batch(r), "prefill": prefill_per_token(r),
+                         "probe": r.get("machine_tokens_per_cpu_s"), "vs_probe": tokens_per_cpu_s_vs_machine(r),
                          "cpu": rank_cpu_s(r), "share": rank_cpu_share(r), "service": service_cpu_s(r),
                          "other": r.get("other_threads_cpu_s"), "children": r.get("children_cpu_s"),
                          "throttled": r.get("throttled_s"), "threads": r.get("threads"),
@@ -223,6 +303,7 @@ def ranks_table(runs: list[tuple[str, list[dict]]]) -> str:
     return table(rows, [("run", "run", "{}"), ("rank", "rank", "{}"), ("role", "role", "{}"),
                         ("busy gen tok/s", "busy", "{:.0f}"), ("gen s", "gen_s", "{:.1f}"),
                         ("gen CPU share", "gen_share", "{:.2f}"), ("gen tok/CPU s", "per_cpu", "{:.0f}"),
+                        ("probe tok/CPU s", "probe", "{:.0f}"), ("÷ probe", "vs_probe", "{:.2f}"),
                         ("batch", "batch", "{:.2f}"), ("prefill/gen", "prefill", "{:.2f}"),
                         ("CPU s", "cpu", "{:.1f}"), ("CPU share", "share", "{:.2f}"), ("service CPU s", "service", "{:.1f}"),
                         ("other threads CPU s", "other", "{:.1f}"), ("children CPU s", "children", "{:.1f}"),

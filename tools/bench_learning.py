@@ -107,17 +107,15 @@ import argparse
 import json
 import math
 import re
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_common import (busy_rate, cap_flags, median, mode_flags, per_rank, rank_cpu_s,  # noqa: E402
+from bench_common import (busy_rate, cap_flags, median, mode_flags, per_rank, probed_run, rank_cpu_s,  # noqa: E402
                           rank_cpu_share, rank_profile, rank_records)
 from bench_modes import MODES, mode_sets  # noqa: E402
 
@@ -654,14 +652,10 @@ def run_one(config: str, mode: str, seed: int, args: argparse.Namespace, out: Pa
             f"resources.cpu_quota={args.cpu_quota}", f"run.output_dir={out}", f"run.name={name}",
             f"storage.dir={out / 'scratch' / name}", "checkpoint.resume=false", "checkpoint.every_steps=0",
             *args.sets]
-    cmd = [sys.executable, "-m", "reflow_hpc.run", config]
-    for s in sets:
-        cmd += ["--set", s]
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.budget_s * 4 + 900)
+    r, wall = probed_run(config, sets, out / name, timeout=args.budget_s * 4 + 900)
     if r.returncode != 0:
         raise SystemExit(f"bench_learning: {name} failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-    return {**read_run(out / name, label, seed), "wall_seconds": time.monotonic() - t0}
+    return {**read_run(out / name, label, seed), "wall_seconds": wall}
 
 
 def run_peer(config: str, seed: int, args: argparse.Namespace, workers: int) -> dict:

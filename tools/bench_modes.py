@@ -49,20 +49,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_common import cap_flags, mode_flags, rank_profile, ranks_table  # noqa: E402
+from bench_common import cap_flags, mode_flags, rank_profile, ranks_table, run  # noqa: E402
 
 from reflow_hpc.config import load  # noqa: E402
-from reflow_hpc.metrics import read_jsonl  # noqa: E402
 from reflow_hpc.sim.report import table as text_table  # noqa: E402
 
 MODES = ("sync", "one_step_off", "fully_async", "reflow")
@@ -94,19 +91,9 @@ def pass_order(modes: list[str], k: int) -> list[str]:
 
 def run_mode(config: str, mode: str, name: str, steps: int, sets: list[str], out: Path,
              timeout: float) -> tuple[list[dict], dict, float]:
-    """One run of ``mode``: its per-step metrics, its summary and its wall seconds."""
-    args = [sys.executable, "-m", "reflow_hpc.run", config,
-            "--set", f"trainer.steps={steps}", "--set", f"run.output_dir={out}", "--set", f"run.name={name}",
-            "--set", f"storage.dir={out / 'scratch' / name}", "--set", "checkpoint.resume=false"]
-    for s in mode_sets(mode) + sets:
-        args += ["--set", s]
-    t0 = time.monotonic()
-    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    wall = time.monotonic() - t0
-    if r.returncode != 0:
-        raise SystemExit(f"bench_modes: mode {mode} failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-    run_dir = out / name
-    return read_jsonl(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text()), wall
+    """One run of ``mode``: its per-step metrics, its summary (ranks with the machine probe) and its wall seconds."""
+    _, metrics, summary, wall = run(config, name, [f"trainer.steps={steps}", *mode_sets(mode), *sets], out, timeout)
+    return metrics, summary, wall
 
 
 def mode_row(mode: str, runs: list[tuple[str, list[dict], dict, float]], warmup: int) -> dict:

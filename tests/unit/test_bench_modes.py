@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -46,3 +47,30 @@ def test_a_mode_whose_ranks_generate_slower_at_equal_caps_is_flagged():
                      "(more than 25% at equal caps)"]
     text = bc.ranks_table([("bench-sync", rows["sync"]["ranks"][0])])
     assert "bench-sync" in text and "busy gen tok/s" in text and "500" in text
+
+
+def test_a_ranks_tokens_per_cpu_second_is_read_against_the_machine_probe_around_its_run():
+    """The machine's own speed drifts between runs; a rank is flagged for its speed relative to the probe."""
+    def recs(per_cpu, probe):
+        return [{**r, "generation_tokens_per_cpu_s": per_cpu if r["rank"] else None, "generate_cpu_s": 5.0,
+                 "machine_tokens_per_cpu_s": probe} for r in ranks(500.0)]
+    # sync's machine ran 40 % faster: its ranks' tokens per CPU second are higher, their speed vs the probe not
+    rows = {"sync": bc.rank_profile(recs(1400.0, 1400.0)), "reflow": bc.rank_profile(recs(1000.0, 1000.0))}
+    assert rows["reflow"]["gen_speed_vs_machine"] == pytest.approx(1.0)
+    assert bc.mode_flags(rows, "sync") == []
+    rows["reflow"] = bc.rank_profile(recs(700.0, 1000.0))
+    assert bc.mode_flags(rows, "sync") == ["FLAG: reflow: generation tokens per CPU second ÷ the machine probe's 0.70 "
+                                           "differs by -30% from sync's 1.00 (more than 25% at equal caps)"]
+    assert "÷ probe" in bc.ranks_table([("bench-reflow", recs(700.0, 1000.0))])
+
+
+def test_the_machine_probe_generates_with_the_runs_policy(tmp_path):
+    from reflow_hpc.config import Config
+    from reflow_hpc.policy import build_tiny_policy, save_policy
+    model, tokenizer = build_tiny_policy(Config())
+    save_policy(model, tokenizer, tmp_path / "policy")
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\npath = "{tmp_path / "policy"}"\nwarmstart = false\n')
+    first, second = bc.machine_probe(str(config), []), bc.machine_probe(str(config), [])
+    assert 0 < first < 1e7 and 0 < second < 1e7
+    assert math.isnan(bc.machine_probe(str(tmp_path / "missing.toml"), []))      # a reading, never an error
