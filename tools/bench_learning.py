@@ -56,8 +56,9 @@ per trained sample, the mean replay fraction in each quarter of the run's steps,
 (``rollout/generated_tokens_per_s``, weighted by step time), the training rate (trainer tokens ÷ step
 time; and ÷ the trainer's busy time), idle ratios; and per rank (``reflow_hpc/runtime/rankstats.py``,
 summary.json's ``ranks``): busy generation rate (tokens ÷ seconds with requests in flight), CPU share of
-a core (cgroup CPU seconds, or the process's where the cgroup does not account them, ÷ wall seconds) and
-threads. A run whose generation or training rate differs by more than 25 % from the median of its arm's
+a core (cgroup CPU seconds, or the process's where the cgroup does not account them, ÷ wall seconds),
+threads, and tokens per CPU second of generation ÷ the machine probe run in this process before and after
+each run (``machine_probe.json`` in its directory: the machine's own speed drifts between runs). A run whose generation or training rate differs by more than 25 % from the median of its arm's
 runs is flagged (a line ``FLAG: …``), and so is an arm whose per-rank busy generation rate or thread
 count differs by more than 25 % from the reference's: every run is held to the same ``--cpu-quota``
 (equal caps), so a rank should generate as fast in every mode; so is a rank with no CPU cgroup or above
@@ -563,8 +564,10 @@ def idle_lines(runs: list[dict]) -> list[str]:
 
 
 def profiles_table(profiles: dict[str, dict]) -> str:
-    head = ["arm", "rank records", "busy gen tok/s", "CPU share", "throttled", "threads", "torch threads"]
-    return _text_table(head, [[m, str(p["ranks"]), _fmt(p["busy_gen_tokens_per_s"], ".0f"), _fmt(p["cpu_share"], ".2f"),
+    head = ["arm", "rank records", "busy gen tok/s", "gen tok/CPU s ÷ probe", "CPU share", "throttled", "threads",
+            "torch threads"]
+    return _text_table(head, [[m, str(p["ranks"]), _fmt(p["busy_gen_tokens_per_s"], ".0f"),
+                               _fmt(p["gen_speed_vs_machine"], ".2f"), _fmt(p["cpu_share"], ".2f"),
                                _fmt(p["throttled_share"], ".1%"), _fmt(p["threads"], ".0f"),
                                _fmt(p["torch_threads"], ".0f")] for m, p in profiles.items()])
 
