@@ -125,11 +125,6 @@ def _rusage_s(who: int) -> float:
     return u.ru_utime + u.ru_stime
 
 
-def process_cpu_s() -> float:
-    """User + system CPU seconds of this process's threads and of the children it waited for."""
-    return _rusage_s(resource.RUSAGE_SELF) + _rusage_s(resource.RUSAGE_CHILDREN)
-
-
 def python_threads_cpu_s() -> dict[int, tuple[str, float]]:
     """CPU seconds of every live Python thread so far, by thread ident: (name, seconds). A thread whose
     clock cannot be read (it ended meanwhile, or the platform has no per-thread clocks) is left out."""
@@ -158,7 +153,7 @@ class RankAccount:
     """Started with the worker; :meth:`record` closes it at the stop."""
 
     def __init__(self) -> None:
-        self.t0, self.cpu0, self.group0 = time.monotonic(), process_cpu_s(), cgroup_cpu()
+        self.t0, self.group0 = time.monotonic(), cgroup_cpu()
         self.self0, self.children0 = _rusage_s(resource.RUSAGE_SELF), _rusage_s(resource.RUSAGE_CHILDREN)
         self.threads0 = python_threads_cpu_s()
         self.started = time.time()
@@ -169,8 +164,9 @@ class RankAccount:
                engine_counts: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
         """``ended``: (ident, name, CPU seconds) of threads that ended before the stop (the service thread)."""
         group = cgroup_cpu()
+        own, children = _rusage_s(resource.RUSAGE_SELF) - self.self0, _rusage_s(resource.RUSAGE_CHILDREN) - self.children0
         rec: dict[str, Any] = {"rank": rank, "role": role, "wall_s": time.monotonic() - self.t0,
-                               "cpu_s": process_cpu_s() - self.cpu0, "cpu_group": group["cpu_group"]}
+                               "cpu_s": own + children, "cpu_group": group["cpu_group"]}
         # Where the rank's CPU went, thread by thread: a thread born after the account started counts whole.
         threads: dict[str, float] = {}
         live = python_threads_cpu_s()
@@ -180,8 +176,8 @@ class RankAccount:
             before = self.threads0.get(ident)
             threads[name] = threads.get(name, 0.0) + s - (before[1] if before and before[0] == name else 0.0)
         rec["thread_cpu_s"] = threads
-        rec["other_threads_cpu_s"] = max(0.0, _rusage_s(resource.RUSAGE_SELF) - self.self0 - sum(threads.values()))
-        rec["children_cpu_s"] = _rusage_s(resource.RUSAGE_CHILDREN) - self.children0
+        rec["other_threads_cpu_s"] = max(0.0, own - sum(threads.values()))
+        rec["children_cpu_s"] = children
         for key in ("cgroup_cpu_s", "periods", "throttled_periods", "throttled_s"):
             now, then = group[key], self.group0[key]
             rec[key] = now - then if now is not None and then is not None and group["cpu_group"] == \
