@@ -58,8 +58,8 @@ time; and ÷ the trainer's busy time), idle ratios; and per rank (``reflow_hpc/r
 summary.json's ``ranks``): busy generation rate (tokens ÷ seconds with requests in flight), CPU share of
 a core (cgroup CPU seconds, or the process's where the cgroup does not account them, ÷ wall seconds),
 threads, and tokens per CPU second of generation ÷ the machine probe run in this process before and after
-each run (``machine_probe.json`` in its directory: the machine's own speed drifts between runs). A run whose generation or training rate differs by more than 25 % from the median of its arm's
-runs is flagged (a line ``FLAG: …``), and so is an arm whose per-rank busy generation rate or thread
+each run (``machine_probe.json`` in its directory: the machine's own speed drifts between runs). A run
+whose generation or training rate differs by more than 25 % from the median of its arm's runs is flagged (a line ``FLAG: …``), and so is an arm whose per-rank busy generation rate or thread
 count differs by more than 25 % from the reference's: every run is held to the same ``--cpu-quota``
 (equal caps), so a rank should generate as fast in every mode; so is a rank with no CPU cgroup or above
 its cap. A run made before the runtime kept rank records shows ``-`` there.

@@ -208,9 +208,8 @@ def worker_record(worker: Any) -> dict[str, Any]:
         tokens = worker._generated_tokens()
     except Exception:  # noqa: BLE001 - an engine that no longer answers after its stop: the time alone
         tokens = None
-    service = getattr(getattr(worker, "rt", None), "service", None)
-    ended = ((service.ident, service.name, service.cpu_s),) if service is not None and service.cpu_s is not None \
-        else ()
+    service = worker.rt.service
+    ended = ((service.ident, service.name, service.cpu_s),) if service.cpu_s is not None else ()
     try:
         st = worker.engine.stats() if worker.engine is not None and worker.follower is None else None
         counts = (st.prefilled_tokens or None, st.decode_steps or None) if st is not None else (None, None)

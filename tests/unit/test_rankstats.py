@@ -51,6 +51,7 @@ def worker(rank=1, trainers=(0,), rollouts=(1,), generate_s=4.0, tokens=2000, ge
         return tokens
     return SimpleNamespace(rank=rank, trainers=trainers, rollouts=rollouts, follower=None, leader=rank,
                            engine=SimpleNamespace(stats=lambda: EngineStats(prefilled_tokens=300, decode_steps=1000)),
+                           rt=SimpleNamespace(service=SimpleNamespace(ident=1, name=f"service-{rank}", cpu_s=0.5)),
                            generate_s=generate_s, generate_cpu_s=generate_cpu_s, train_s=0.0, train_steps=0, account=rankstats.RankAccount(),
                            _generated_tokens=generated)
 
@@ -62,6 +63,7 @@ def test_a_stopped_workers_record(tmp_path):
     assert rec["wall_s"] >= 0 and rec["cpu_s"] >= 0 and rec["threads"] >= 1
     assert rec["generation_tokens_per_cpu_s"] == pytest.approx(800.0)
     assert (rec["prefilled_tokens"], rec["decode_steps"]) == (300, 1000)
+    assert rec["thread_cpu_s"]["service-1"] == 0.5          # the service thread ended at the Stop: its own figure
     assert rankstats.worker_record(worker(rank=0, trainers=(0,), rollouts=(0,)))["role"] == "trainer+rollout"
     idle = rankstats.worker_record(worker(rank=2, generate_s=0.0, tokens=None))
     assert idle["role"] == "idle" and idle["busy_generation_tokens_per_s"] is None and idle["generated_tokens"] is None
