@@ -104,10 +104,16 @@ class RunConfig:
     eval_samples: int = opt(4, "Samples per evaluation prompt at the training temperature (the evaluation reports "
                                "their mean reward, and greedy exact match).", ge=1)
     eval_every_steps: int = opt(0, "Snapshot the trainer's weights every this many steps (and after the last "
-                                   "one) and score each snapshot on the task prompts after the run, as eval/* "
+                                   "one) and score each snapshot on the run.eval_curve prompts after the run, as eval/* "
                                    "metrics stamped with the training time at which it was taken (0 = only the "
                                    "last step's). Saving a snapshot costs the training clock a few milliseconds; the "
                                    "scoring runs after training, spread over every rank.", ge=0)
+    eval_curve: str = opt("task", "The prompt set the snapshots of run.eval_every_steps are scored on (the start and "
+                                  "the trained policy are scored on both): `task` (prompts of the training "
+                                  "distribution not drawn in training) or `held_out` (distinct texts of the eval "
+                                  "split, never trained on; where the task prompts repeat the short problems the "
+                                  "warm start already solves, as on code_synth, learning shows here).",
+                          choices=("task", "held_out"))
     eval_concurrency: int = opt(64, "Requests the evaluation engine runs at once.", ge=1)
     event_log: bool = opt(True, "Append every replay-buffer event (dispatch, finish, compose, train, end with its "
                                 "reason, sync, checkpoint, role switch) with its time, version and worker to "

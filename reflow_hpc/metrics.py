@@ -55,9 +55,12 @@ Evaluation records (``"kind": "eval"``; step records carry no kind), one per pol
 | ``step``, ``version`` | the step after which the weights were taken (0: the starting policy) |
 | ``eval/elapsed_s`` | training time of the run when that step ended |
 | ``eval/task/reward``, ``eval/task/greedy`` | mean reward of ``run.eval_samples`` samples per task prompt never drawn in training, and greedy exact match |
-| ``eval/held_out/reward``, ``eval/held_out/greedy`` | the same on distinct held-out texts (the start and the final policy only) |
+| ``eval/held_out/reward``, ``eval/held_out/greedy`` | the same on distinct held-out texts |
 | ``eval/<set>/prompts`` | prompts scored in each set (``task``, ``held_out``) |
 | ``eval/seconds`` | time the scoring took (after training, not on its clock) |
+
+The start and the final policy are scored on both sets, the snapshots between them on the set of
+``run.eval_curve`` (``task`` by default).
 """
 
 from __future__ import annotations
@@ -196,12 +199,13 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def progress_line(r: dict[str, Any]) -> str:
-    if "eval/task/reward" in r and "throughput_tokens_per_s" not in r:       # a snapshot's evaluation
-        held = (f"  held-out texts reward {_fmt(r.get('eval/held_out/reward'), '.3f')} greedy "
-                f"{_fmt(r.get('eval/held_out/greedy'), '.3f')}" if "eval/held_out/reward" in r else "")
+    if "throughput_tokens_per_s" not in r and ("eval/task/reward" in r or "eval/held_out/reward" in r):
+        sets = [(name, label) for name, label in (("task", "task"), ("held_out", "held-out texts"))
+                if f"eval/{name}/reward" in r]                                  # a snapshot's evaluation
+        scores = "  ".join(f"{label} reward {_fmt(r.get(f'eval/{name}/reward'), '.3f')} greedy "
+                           f"{_fmt(r.get(f'eval/{name}/greedy'), '.3f')}" for name, label in sets)
         return (f"eval {r.get('step', 0):>4} v{r.get('version', 0):<3} after {_fmt(r.get('eval/elapsed_s'), '5.0f')} s "
-                f"of training: task reward {_fmt(r.get('eval/task/reward'), '.3f')} greedy "
-                f"{_fmt(r.get('eval/task/greedy'), '.3f')}{held}")
+                f"of training: {scores}")
     return (f"step {r.get('step', 0):>4} v{r.get('version', 0):<3} "
             f"reward {_fmt(r.get('reward/mean'), '.3f')}  "
             f"tok/s {_fmt(r.get('throughput_tokens_per_s'), '7.0f')}  "

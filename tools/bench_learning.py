@@ -13,7 +13,9 @@ every mode syncs after every step, the baselines train without replay) and every
 ``--cpu-quota`` of one core, so a waiting rank loses its time as on a GPU. The runs snapshot their
 weights every ``--eval-every-steps`` steps and score each snapshot after training, on the same task
 prompts never drawn in training (``eval/task/reward``: the mean reward of ``run.eval_samples``
-samples per prompt), stamped with the training time and the optimizer step at which it was taken.
+samples per prompt), stamped with the training time and the optimizer step at which it was taken;
+with ``--set run.eval_curve=held_out`` on the distinct held-out texts instead (``eval/held_out``: the
+coding workload, whose task prompts repeat the short problems its warm start already solves).
 ``--summarise-only`` reads the runs already in ``--out`` (named as this benchmark names them:
 ``learn-<arm>-s<seed>``) instead of making them.
 
@@ -41,7 +43,7 @@ differences (arm − reference, seconds or steps) and of the per-seed ratios (ar
 whose reference time is 0 is left out of the ratios). The time axis carries system and algorithmic
 effects together, the step axis the algorithmic ones alone (the paper's Fig. 12 and 13).
 
-**Resolution.** The eval set is ``eval/task/prompts`` × ``run.eval_samples`` samples; one eval point's
+**Resolution.** The eval set is ``eval/<set>/prompts`` × ``run.eval_samples`` samples; one eval point's
 standard error is at most √(p(1−p)/n) at the observed reward p (the binomial bound: the prompts are
 fixed, samples of a prompt independent); at a target level, divided by the reference curve's slope
 where its seeds cross that level (median), it is the crossing time's jitter from eval noise alone —
@@ -626,17 +628,19 @@ def read_run(run_dir: Path, label: str, seed: int) -> dict:
     is_keys = sorted({k for m in steps for k in m if k.startswith("trainer/rollout_is/")})
     diag = run_diagnostics(steps, summary)
     at = {m["step"]: m for m in steps if "step" in m}      # an eval point's gauges: its step's (none before step 1)
+    ev = f"eval/{summary.get('eval/curve_set', 'task')}/"   # the set the snapshots were scored on (run.eval_curve)
+    evals = [e for e in evals if ev + "reward" in e]
     return {"mode": label, "seed": seed, "run_dir": str(run_dir), "steps": summary.get("steps"),
             "train_seconds": summary.get("train_seconds"),
-            "curve": [(e["eval/elapsed_s"], e["eval/task/reward"]) for e in evals],
-            "step_curve": [(e["step"], e["eval/task/reward"]) for e in evals],
-            "uses_curve": [(training_uses(at.get(e["step"], {})), e["eval/task/reward"]) for e in evals],
-            "generated_curve": [(generated_samples(at.get(e["step"], {})), e["eval/task/reward"]) for e in evals],
-            "well_formed_curve": [(e["eval/elapsed_s"], e.get("eval/task/well_formed_reward", math.nan),
-                                   e.get("eval/task/well_formed", math.nan)) for e in evals],
+            "curve": [(e["eval/elapsed_s"], e[ev + "reward"]) for e in evals],
+            "step_curve": [(e["step"], e[ev + "reward"]) for e in evals],
+            "uses_curve": [(training_uses(at.get(e["step"], {})), e[ev + "reward"]) for e in evals],
+            "generated_curve": [(generated_samples(at.get(e["step"], {})), e[ev + "reward"]) for e in evals],
+            "well_formed_curve": [(e["eval/elapsed_s"], e.get(ev + "well_formed_reward", math.nan),
+                                   e.get(ev + "well_formed", math.nan)) for e in evals],
             "rollout_is": {k.removeprefix("trainer/"): _mean([m[k] for m in steps if k in m]) for k in is_keys},
-            "greedy": [(e["eval/elapsed_s"], e["eval/task/greedy"]) for e in evals],
-            "eval_prompts": evals[-1].get("eval/task/prompts", summary.get("eval/task/prompts")),
+            "greedy": [(e["eval/elapsed_s"], e[ev + "greedy"]) for e in evals],
+            "eval_prompts": evals[-1].get(ev + "prompts", summary.get(ev + "prompts")),
             "samples_per_prompt": summary.get("eval/samples_per_prompt"),
             "throughput_tokens_per_s": diag["train_tokens_per_s"],
             "idle_ratio/trainer": diag["idle_ratio/trainer"], "idle_ratio/rollout": diag["idle_ratio/rollout"],

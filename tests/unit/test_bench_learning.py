@@ -283,6 +283,23 @@ def test_a_run_directory_is_read_into_curves_diagnostics_and_ranks(tmp_path):
     assert "reflow" in bl.runs_table([r])
 
 
+def test_a_run_scored_on_the_held_out_texts_is_read_from_that_set(tmp_path):
+    run = tmp_path / "learn-sync-s0"
+    run.mkdir()
+    evals = [{"kind": "eval", "step": k, "eval/elapsed_s": 2.0 * k, "eval/held_out/reward": 0.5 + k / 100,
+              "eval/held_out/greedy": 0.0, "eval/held_out/prompts": 128} for k in (0, 10)]
+    evals[0].update({"eval/task/reward": 0.9, "eval/task/greedy": 1.0})      # the start: both sets
+    evals.append({"kind": "eval", "step": 20, "eval/elapsed_s": 40.0, "eval/task/reward": 0.95,
+                  "eval/task/greedy": 1.0, "eval/held_out/reward": 0.7, "eval/held_out/greedy": 0.0,
+                  "eval/held_out/prompts": 128})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps_of(20) + evals))
+    (run / "summary.json").write_text(json.dumps({"steps": 20, "eval/curve_set": "held_out"}))
+    r = bl.read_run(run, "sync", 0)
+    assert r["step_curve"] == [(0, 0.5), (10, pytest.approx(0.6)), (20, 0.7)] and r["eval_prompts"] == 128
+    (run / "summary.json").write_text(json.dumps({"steps": 20}))                 # before run.eval_curve: task
+    assert bl.read_run(run, "sync", 0)["step_curve"] == [(0, 0.9), (20, 0.95)]
+
+
 def test_arms_keep_their_settings():
     arms = bl.parse_algorithms("grpo,cispo[cispo_clip_low=1;cispo_clip_high=2],dapo")
     assert arms == ["grpo", "cispo[cispo_clip_low=1;cispo_clip_high=2]", "dapo"]
