@@ -112,6 +112,16 @@ retreat from a starved placement is exempt from both the margin and the switch c
 measured, and the linear rates are what misjudged that placement in the first place. It still
 has to pay for its switch, with that measured saving: late in a run no retreat is worth one (4 CPU
 ranks, 60 steps: retreats at steps 46 and 55 cost runs 8–25 % against the split they left).
+
+Measured beats predicted. When the pool leaves a placement after at least ``cooldown_steps − 1``
+windows past its first, the planner keeps their mean step time, with the supply it predicted then
+(∝ p·t). It does not move back to a placement whose kept step time is no faster than the mean measured
+at the one in force, as long as that supply has moved by at most ``2·margin`` (in log) since, in
+either direction. Without this rule the coding workload (4 CPU ranks) flapped between 2 and 3
+trainers, four moves in 37 steps: at 3 its trainers starved (5.2–5.7 s a step), and the starvation
+rule retreated to 2, predicted at 5.1 s a step, where the run had already measured 7.0–7.9 s (a
+replica's compute per token was 10–15 % higher there, 16 sequences per micro-batch padded to the
+longest against 10–11, and the model missed more than that).
 """
 
 from __future__ import annotations
@@ -171,6 +181,7 @@ class PlacementPlanner:
         self.ceiling: int | None = None  # most trainer replicas the planner may propose (starvation ceiling)
         self.ceiling_rates = (0.0, 0.0)  # (p, t) when the ceiling was set
         self._here = [0.0, 0.0, 0.0, 0]  # Σ idle_T, Σ idle_R, Σ step_s, windows at this placement after its first
+        self.measured: dict[int, tuple[float, float]] = {}   # n_T → (mean step s when it was left, p·t then)
         self.switch_s = settings.switch_cost_s   # what a switch costs: the setting, or the latest measured if longer
         self.buckets: dict[int, list[float]] = {}   # length bucket -> [samples, Σ production s, Σ tokens], smoothed
         self.batch_cost = BatchCost()       # compute per token and the batch's lengths (the split's composition)
@@ -221,6 +232,9 @@ class PlacementPlanner:
         if not above and not math.log(times[n_t] / times[self.proposed]) > self.s.margin:
             return None
         here = self._here[2] / self._here[3] if above and self._here[3] else times[n_t]   # measured when starved
+        there = self.measured_step(self.proposed)
+        if there is not None and self._here[3] and there >= self._here[2] / self._here[3]:
+            return None                                 # measured slower there than here
         saving = here - times[self.proposed]            # seconds per step
         if steps_left is not None and not saving * steps_left > self.switch_s:
             return None
@@ -406,11 +420,22 @@ class PlacementPlanner:
             return True
         return math.log(self.rate * self.train_s / (p0 * t0)) > 2 * self.s.margin
 
+    def measured_step(self, n_t: int) -> float | None:
+        """The mean step time measured at the placement with ``n_t`` trainer replicas when the pool last
+        left it, while the supply a placement predicts (∝ p·t) is still within 2·margin (in log) of what
+        it was then; else None."""
+        if n_t not in self.measured or not self.rate or not self.train_s:
+            return None
+        step_s, pt = self.measured[n_t]
+        return step_s if pt > 0 and abs(math.log(self.rate * self.train_s / pt)) <= 2 * self.s.margin else None
+
     def applied(self, n_t: int, switch_s: float | None = None) -> None:
         """The placement changed to ``n_t`` trainer replicas, the switch taking ``switch_s`` seconds of wall
         time (None: not measured, as on a restore); rates are re-measured from here."""
         if switch_s is not None:
             self.switch_s = max(self.s.switch_cost_s, switch_s)
+        if n_t != self.current and self._here[3] >= self.s.cooldown_steps - 1 and self.rate and self.train_s:
+            self.measured[self.current] = (self._here[2] / self._here[3], self.rate * self.train_s)
         self.current = n_t
         self.steps_since_change = 0
         self._here = [0.0, 0.0, 0.0, 0]

@@ -414,3 +414,24 @@ def test_usable_fraction_grows_with_the_step_time_and_is_one_without_a_bound():
     us = [pl.usable(s) for s in (0.5, 1.0, 2.0, 4.0, 100.0)]
     assert us == sorted(us) and us[0] == 0.5 and us[-1] == 1.0, us
     assert planner().usable(0.01) == 1.0              # no δ: every fresh sample is usable
+
+
+def mispredicted_window(pl):
+    """4 workers where the linear model misjudges 2 trainers: there a step takes 7.5 s, trainer-bound
+    (its replicas compute slower per token than 3 would suggest); at 3 the one rollout worker starves
+    the trainers (40 % idle in a 5.5 s step), and the model, from t measured there, predicts 2
+    trainers at 5 s a step, faster than 3's measured 5.5 s."""
+    if pl.current == 2:
+        return Window(produced=32, step_s=7.5, idle_trainer=0.0, idle_rollout=0.3)
+    return Window(produced=22, step_s=5.5, idle_trainer=0.4, idle_rollout=0.0)
+
+
+def test_a_placement_measured_slower_is_not_moved_back_to():
+    pl = planner(n_t=2, workers=4, switch_cost_s=0.0, cooldown_steps=5)
+    history = drive(pl, mispredicted_window, 60)
+    assert history[5:] == [3] * 55, history           # one move, to 3, kept although starved there
+    assert pl.proposed == 2 and pl.measured_step(2) == 7.5
+    forgetful = planner(n_t=2, workers=4, switch_cost_s=0.0, cooldown_steps=5)
+    forgetful.measured_step = lambda n_t: None         # the rule off: the model retreats to the slower split
+    history = drive(forgetful, mispredicted_window, 60)
+    assert 3 in history and history[-20:] == [2] * 20, history
