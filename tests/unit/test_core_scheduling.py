@@ -421,6 +421,8 @@ def mispredicted_window(pl):
     (its replicas compute slower per token than 3 would suggest); at 3 the one rollout worker starves
     the trainers (40 % idle in a 5.5 s step), and the model, from t measured there, predicts 2
     trainers at 5 s a step, faster than 3's measured 5.5 s."""
+    if pl.steps_since_change == 0 and pl.rate is None:      # the run's first window refills the pipeline
+        return Window(produced=8, step_s=12.0, idle_trainer=1.0, idle_rollout=0.2)
     if pl.current == 2:
         return Window(produced=32, step_s=7.5, idle_trainer=0.0, idle_rollout=0.3)
     return Window(produced=22, step_s=5.5, idle_trainer=0.4, idle_rollout=0.0)
@@ -429,7 +431,8 @@ def mispredicted_window(pl):
 def test_a_placement_measured_slower_is_not_moved_back_to():
     pl = planner(n_t=2, workers=4, switch_cost_s=0.0, cooldown_steps=5)
     history = drive(pl, mispredicted_window, 60)
-    assert history[5:] == [3] * 55, history           # one move, to 3, kept although starved there
+    moves = [(a, b) for a, b in zip(history, history[1:]) if a != b]
+    assert moves == [(2, 3)], history                   # one move, to 3, kept although starved there
     assert pl.proposed == 2 and pl.measured_step(2) == 7.5
     forgetful = planner(n_t=2, workers=4, switch_cost_s=0.0, cooldown_steps=5)
     forgetful.measured_step = lambda n_t: None         # the rule off: the model retreats to the slower split
