@@ -631,6 +631,7 @@ def read_run(run_dir: Path, label: str, seed: int) -> dict:
     ev = f"eval/{summary.get('eval/curve_set', 'task')}/"   # the set the snapshots were scored on (run.eval_curve)
     evals = [e for e in evals if ev + "reward" in e]
     return {"mode": label, "seed": seed, "run_dir": str(run_dir), "steps": summary.get("steps"),
+            "curve_set": ev.split("/")[1],
             "train_seconds": summary.get("train_seconds"),
             "curve": [(e["eval/elapsed_s"], e[ev + "reward"]) for e in evals],
             "step_curve": [(e["step"], e[ev + "reward"]) for e in evals],
@@ -676,7 +677,7 @@ def run_peer(config: str, seed: int, args: argparse.Namespace, workers: int) -> 
 
 
 def plot(curves: dict, step_curves: dict, budget: float, path: Path, levels: dict | None,
-         reference: str | None = "sync") -> None:
+         reference: str | None = "sync", curve_set: str = "task") -> None:
     """Two panels: eval reward against training time and against optimizer steps (mean ± s.e. over
     seeds), with the target levels. Runs make different numbers of steps in the budget: the step panel's
     mean ends at the last step every seed reached, and each seed's last point is a dot."""
@@ -713,7 +714,8 @@ def plot(curves: dict, step_curves: dict, budget: float, path: Path, levels: dic
         ax.set_xlabel(xlabel)
         ax.set_title(f"Eval reward {title}", fontsize=10)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("eval reward, task prompts never trained on")
+    axes[0].set_ylabel("eval reward, " + ("distinct held-out problems" if curve_set == "held_out"
+                                          else "task prompts never trained on"))
     fig.suptitle("mean ± s.e. over seeds", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -788,7 +790,9 @@ def main(argv: list[str] | None = None) -> int:
         flags += cap_flags(f"{r['mode']} seed {r['seed']}", r.get("ranks") or [], args.cpu_quota)
     result["flags"] = flags
     png = Path(args.plot) if args.plot else out / "bench_learning.png"
-    plot(curves, step_curves, args.budget_s, png, result.get("levels"), result.get("reference"))
+    sets = {r.get("curve_set", "task") for r in mine}
+    plot(curves, step_curves, args.budget_s, png, result.get("levels"), result.get("reference"),
+         sets.pop() if len(sets) == 1 else "task")
 
     print(table(result))
     print()

@@ -296,6 +296,7 @@ def test_a_run_scored_on_the_held_out_texts_is_read_from_that_set(tmp_path):
     (run / "summary.json").write_text(json.dumps({"steps": 20, "eval/curve_set": "held_out"}))
     r = bl.read_run(run, "sync", 0)
     assert r["step_curve"] == [(0, 0.5), (10, pytest.approx(0.6)), (20, 0.7)] and r["eval_prompts"] == 128
+    assert r["curve_set"] == "held_out"
     (run / "summary.json").write_text(json.dumps({"steps": 20}))                 # before run.eval_curve: task
     assert bl.read_run(run, "sync", 0)["step_curve"] == [(0, 0.9), (20, 0.95)]
 
