@@ -226,8 +226,8 @@ class EvalJob:
 
 def eval_jobs(cfg: Config) -> list[EvalJob]:
     """Every policy of the run still to score, in step order: the start, every complete snapshot (on the
-    ``run.eval_curve`` set), the last one (the trained policy) on both prompt sets. Identical on every rank (read from the run
-    directory once training has ended)."""
+    ``run.eval_curve`` set), the last one (the trained policy) on both prompt sets. Identical on every
+    rank (read from the run directory once training has ended)."""
     root = snapshot_root(cfg.run_dir)
     snaps = []
     for d in sorted(root.glob("step_*")):

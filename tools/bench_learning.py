@@ -628,10 +628,11 @@ def read_run(run_dir: Path, label: str, seed: int) -> dict:
     is_keys = sorted({k for m in steps for k in m if k.startswith("trainer/rollout_is/")})
     diag = run_diagnostics(steps, summary)
     at = {m["step"]: m for m in steps if "step" in m}      # an eval point's gauges: its step's (none before step 1)
-    ev = f"eval/{summary.get('eval/curve_set', 'task')}/"   # the set the snapshots were scored on (run.eval_curve)
+    curve_set = summary.get("eval/curve_set", "task")       # the set the snapshots were scored on (run.eval_curve)
+    ev = f"eval/{curve_set}/"
     evals = [e for e in evals if ev + "reward" in e]
     return {"mode": label, "seed": seed, "run_dir": str(run_dir), "steps": summary.get("steps"),
-            "curve_set": ev.split("/")[1],
+            "curve_set": curve_set,
             "train_seconds": summary.get("train_seconds"),
             "curve": [(e["eval/elapsed_s"], e[ev + "reward"]) for e in evals],
             "step_curve": [(e["step"], e[ev + "reward"]) for e in evals],

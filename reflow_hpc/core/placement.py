@@ -231,9 +231,10 @@ class PlacementPlanner:
             return None
         if not above and not math.log(times[n_t] / times[self.proposed]) > self.s.margin:
             return None
-        here = self._here[2] / self._here[3] if above and self._here[3] else times[n_t]   # measured when starved
+        measured_here = self._here[2] / self._here[3] if self._here[3] else None
+        here = measured_here if above and measured_here is not None else times[n_t]   # measured when starved
         there = self.measured_step(self.proposed)
-        if there is not None and self._here[3] and there >= self._here[2] / self._here[3]:
+        if there is not None and measured_here is not None and there >= measured_here:
             return None                                 # measured slower there than here
         saving = here - times[self.proposed]            # seconds per step
         if steps_left is not None and not saving * steps_left > self.switch_s:
@@ -413,21 +414,26 @@ class PlacementPlanner:
             return acc[2] / n
         return None
 
+    def _supply_shift(self, p_t: float) -> float | None:
+        """log of the supply a placement predicts now (∝ p·t) over ``p_t``; None when either is unknown."""
+        if p_t <= 0 or not self.rate or not self.train_s:
+            return None
+        return math.log(self.rate * self.train_s / p_t)
+
     def _rates_moved(self) -> bool:
         """Has the supply a placement predicts (∝ p·t) grown by more than 2·margin since the ceiling?"""
-        p0, t0 = self.ceiling_rates
-        if p0 <= 0 or t0 <= 0 or not self.rate or not self.train_s:
-            return True
-        return math.log(self.rate * self.train_s / (p0 * t0)) > 2 * self.s.margin
+        shift = self._supply_shift(self.ceiling_rates[0] * self.ceiling_rates[1])
+        return shift is None or shift > 2 * self.s.margin
 
     def measured_step(self, n_t: int) -> float | None:
         """The mean step time measured at the placement with ``n_t`` trainer replicas when the pool last
         left it, while the supply a placement predicts (∝ p·t) is still within 2·margin (in log) of what
         it was then; else None."""
-        if n_t not in self.measured or not self.rate or not self.train_s:
+        if n_t not in self.measured:
             return None
-        step_s, pt = self.measured[n_t]
-        return step_s if pt > 0 and abs(math.log(self.rate * self.train_s / pt)) <= 2 * self.s.margin else None
+        step_s, p_t = self.measured[n_t]
+        shift = self._supply_shift(p_t)
+        return step_s if shift is not None and abs(shift) <= 2 * self.s.margin else None
 
     def applied(self, n_t: int, switch_s: float | None = None) -> None:
         """The placement changed to ``n_t`` trainer replicas, the switch taking ``switch_s`` seconds of wall
