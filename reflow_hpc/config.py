@@ -457,6 +457,11 @@ class TrainerConfig:
                                     "weights sync, a checkpoint is written (0 = no budget: run trainer.steps).", ge=0)
     batch_size: int = opt(32, "b: samples per optimizer step (over all trainer replicas).", ge=1)
     micro_batch_size: int = opt(8, "Samples per forward/backward pass on one trainer replica.", ge=1)
+    micro_batch_tokens: int = opt(0, "Most padded tokens in one forward/backward pass (its samples × the longest "
+                                     "of them, prompt + response): the length-sorted samples are packed up to this "
+                                     "and up to trainer.micro_batch_size, so short samples share a pass and long "
+                                     "ones pad less; a sample longer than it is a pass of its own (0 = no token "
+                                     "cap: passes of trainer.micro_batch_size samples).", ge=0)
     lr: float = opt(3e-5, "Peak learning rate (AdamW).", gt=0)
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
     warmup_steps: int = opt(0, "Linear warm-up steps.", ge=0)

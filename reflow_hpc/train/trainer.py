@@ -11,7 +11,9 @@ the loss (:mod:`reflow_hpc.train.loss`) and the schedule (:mod:`reflow_hpc.train
   tokens of the whole batch over all ``n_T·s_T`` trainer ranks, and ``B``, its samples (by default
   ``trainer.batch_size``: every composed batch holds that many; read by the seq_mean aggregations).
   Samples are sorted by length (less padding)
-  and run in micro-batches of ``trainer.micro_batch_size``: right padding, an attention mask,
+  and run in micro-batches of at most ``trainer.micro_batch_size`` samples and, when
+  ``trainer.micro_batch_tokens`` is set, at most that many padded tokens (:func:`micro_batches`): right
+  padding, an attention mask,
   position ids ``0..L-1``; log-probs are recomputed as ``log_softmax(logits / rollout.temperature)``,
   as the rollout engine recorded them. Gradients accumulate over micro-batches; every micro-batch
   loss is already divided by the whole batch's normaliser (``N_batch``, ``B`` or ``B·L``,
@@ -87,6 +89,23 @@ class MicroBatch:
     weights: torch.Tensor          # [B]
     tokens: int
     rewards: torch.Tensor          # [B], the samples' rewards (read by a critic)
+
+
+def micro_batches(lengths: Sequence[int], max_samples: int, max_tokens: int = 0) -> list[slice]:
+    """Consecutive runs of ``lengths`` (sorted ascending) of at most ``max_samples`` each and, with
+    ``max_tokens`` > 0, at most that many padded tokens (count × the run's last, longest, length); a
+    length above ``max_tokens`` is a run of its own. Greedy from the shortest, each run as long as the
+    caps allow: no split of the sorted lengths into runs has fewer."""
+    out: list[slice] = []
+    start = 0
+    for i, n in enumerate(lengths):
+        count = i - start + 1
+        if count > max_samples or (max_tokens > 0 and count > 1 and count * n > max_tokens):
+            out.append(slice(start, i))
+            start = i
+    if start < len(lengths):
+        out.append(slice(start, len(lengths)))
+    return out
 
 
 def collate(items: Sequence[WeightedSample], pad_id: int, device: torch.device) -> MicroBatch:
@@ -183,7 +202,8 @@ class Trainer:
         sums, maxima = empty_stats(self.device)
         tokens = replay = 0
         order = sorted(items, key=lambda it: len(it.trajectory.tokens))
-        chunks = [order[i:i + tc.micro_batch_size] for i in range(0, len(order), tc.micro_batch_size)]
+        chunks = [order[run] for run in micro_batches([len(it.trajectory.tokens) for it in order],
+                                                      tc.micro_batch_size, tc.micro_batch_tokens)]
         rounds = self.parallel.micro_batch_rounds(len(chunks), self.step + 1)
         mbs = [collate(chunk, self.pad_id, self.device) for chunk in chunks]
         frozen = self.critic is not None and self.critic.policy_frozen

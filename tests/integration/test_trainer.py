@@ -24,14 +24,14 @@ METRICS = {"loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio/mean", "r
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 5e-5)])
-def test_micro_batch_size_does_not_change_the_update(dtype, tol):
+def test_micro_batch_size_and_token_cap_do_not_change_the_update(dtype, tol):
     cfg = make_config(warmup_steps=2)
     base = tiny_model(0).to(dtype)
     items = make_batch(base, cfg, seed=1)
     n = loss_tokens(items)
     finals = []
-    for mbs in (1, 3, 8):
-        cfg.trainer.micro_batch_size = mbs
+    for mbs, tokens in ((1, 0), (3, 0), (8, 0), (8, 3 * max(len(it.trajectory.tokens) for it in items))):
+        cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens = mbs, tokens
         model = copy.deepcopy(base)
         tr = Trainer(model, cfg, "cpu")
         metrics = [tr.train_step(items, n) for _ in range(2)]
