@@ -75,7 +75,8 @@ def main() -> None:
     groups = ProcessGroups.create(dims, rank, args.timeout)
     shard_group, group = groups.shard, groups.replica(size // 2)
 
-    cfg = make_config(warmup_steps=1, micro_batch_size=2, sync_bucket_mb=0.02)
+    cfg = make_config(warmup_steps=1, micro_batch_size=3, sync_bucket_mb=0.02)
+    cfg.trainer.micro_batch_tokens = 36         # passes of 1–3 samples by length: the members' pass counts differ
     cfg.run.timeout_s = args.timeout
     start = tiny_model(0).to(dtype)
     steps = 3
