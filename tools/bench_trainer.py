@@ -22,7 +22,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -121,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 ts = []
                 for batch in plan[share]:
                     n = sum(it.trajectory.num_loss_tokens for it in batch)
-                    t0 = time.perf_counter()
-                    m = trainer.train_step(batch, n, len(batch))
-                    ts.append(m.get("forward_backward_seconds", time.perf_counter() - t0))
+                    ts.append(trainer.train_step(batch, n, len(batch))["forward_backward_seconds"])
                 seconds.setdefault((share, cap), []).append(mean(ts))
     rows = []
     for share in shares:
