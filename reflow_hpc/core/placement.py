@@ -93,10 +93,13 @@ starts: near the balance point the fresh supply of some steps falls short (group
 length mix, a greedy batch that took every fresh sample after a wait), and all trainers wait. The
 rollout rate measured below saturation also underestimates capacity (production is capped by the
 ``b_max`` window), so the planner approaches the balance point from the trainer side and can pass
-the best split. Hence: when, over the windows at a placement after the first (which refills the
-pipeline), at least ``cooldown_steps`` of them, the trainers waited on average more than
-``starve_idle`` of the step while the rollout workers were busy (mean idle below ``starve_idle``),
-its mean step time is what its fresh supply allows. If the next placement with fewer trainer
+the best split. Hence: when, over the latest ``cooldown_steps`` windows at a placement (its first,
+which refills the pipeline, left out), the trainers waited on average more than ``starve_idle`` of
+the step while the rollout workers were busy (mean idle below ``starve_idle``), their mean step time
+is what its fresh supply allows. Only the latest windows count, because a workload drifts: on
+``cpu_drift`` the chains lengthen through the run, and a mean over every window since the pool
+arrived kept the early, unstarved steps in it, so the pool stayed at 3 trainers 15–29 steps after its
+recent steps were slower than those measured at 2. If the next placement with fewer trainer
 replicas, ``k``, would step faster even when bound by its trainers (``t / k`` below that mean), the
 placement has too many trainers: the planner moves at once (no margin needed) to the best placement
 with at most ``k``, and proposes no more than ``k`` trainer replicas until the predicted fresh
@@ -114,9 +117,9 @@ has to pay for its switch, with that measured saving: late in a run no retreat i
 ranks, 60 steps: retreats at steps 46 and 55 cost runs 8–25 % against the split they left).
 
 Measured beats predicted. When the pool leaves a placement after at least ``cooldown_steps − 1``
-windows past its first, the planner keeps their mean step time, with the supply it predicted then
-(∝ p·t). It does not move back to a placement whose kept step time is no faster than the mean measured
-at the one in force, as long as that supply has moved by at most ``2·margin`` (in log) since, in
+windows past its first, the planner keeps the mean step time of the latest ``cooldown_steps`` of them,
+with the supply it predicted then (∝ p·t). It does not move back to a placement whose kept step time
+is no faster than the mean of the latest ``cooldown_steps`` windows at the one in force, as long as that supply has moved by at most ``2·margin`` (in log) since, in
 either direction. Without this rule the coding workload (4 CPU ranks) flapped between 2 and 3
 trainers, four moves in 37 steps: at 3 its trainers starved (5.2–5.7 s a step), and the starvation
 rule retreated to 2, predicted at 5.1 s a step, where the run had already measured 7.0–7.9 s (a
@@ -180,7 +183,7 @@ class PlacementPlanner:
         self.proposed = n_trainers
         self.ceiling: int | None = None  # most trainer replicas the planner may propose (starvation ceiling)
         self.ceiling_rates = (0.0, 0.0)  # (p, t) when the ceiling was set
-        self._here = [0.0, 0.0, 0.0, 0]  # Σ idle_T, Σ idle_R, Σ step_s, windows at this placement after its first
+        self._here: list[tuple[float, float, float]] = []   # (idle_T, idle_R, step_s) of the latest windows here
         self.measured: dict[int, tuple[float, float]] = {}   # n_T → (mean step s when it was left, p·t then)
         self.switch_s = settings.switch_cost_s   # what a switch costs: the setting, or the latest measured if longer
         self.buckets: dict[int, list[float]] = {}   # length bucket -> [samples, Σ production s, Σ tokens], smoothed
@@ -231,7 +234,7 @@ class PlacementPlanner:
             return None
         if not above and not math.log(times[n_t] / times[self.proposed]) > self.s.margin:
             return None
-        measured_here = self._here[2] / self._here[3] if self._here[3] else None
+        measured_here = self._recent_step_s()
         here = measured_here if above and measured_here is not None else times[n_t]   # measured when starved
         there = self.measured_step(self.proposed)
         if there is not None and measured_here is not None and there >= measured_here:
@@ -404,15 +407,16 @@ class PlacementPlanner:
         were busy (module docstring), else None."""
         if self.steps_since_change <= 1:
             return None                  # the first window at a placement refills the pipeline
-        acc = self._here
-        acc[0] += w.idle_trainer
-        acc[1] += w.idle_rollout
-        acc[2] += w.step_s
-        acc[3] += 1
-        n = acc[3]
-        if n >= self.s.cooldown_steps and acc[0] / n > self.s.starve_idle and acc[1] / n < self.s.starve_idle:
-            return acc[2] / n
-        return None
+        self._here = (self._here + [(w.idle_trainer, w.idle_rollout, w.step_s)])[-self.s.cooldown_steps:]
+        n = len(self._here)
+        if n < self.s.cooldown_steps:
+            return None
+        idle_t, idle_r = sum(x[0] for x in self._here) / n, sum(x[1] for x in self._here) / n
+        return self._recent_step_s() if idle_t > self.s.starve_idle and idle_r < self.s.starve_idle else None
+
+    def _recent_step_s(self) -> float | None:
+        """Mean step time of the latest ``cooldown_steps`` windows at this placement (after its first)."""
+        return sum(x[2] for x in self._here) / len(self._here) if self._here else None
 
     def _supply_shift(self, p_t: float) -> float | None:
         """log of the supply a placement predicts now (∝ p·t) over ``p_t``; None when either is unknown."""
@@ -440,11 +444,12 @@ class PlacementPlanner:
         time (None: not measured, as on a restore); rates are re-measured from here."""
         if switch_s is not None:
             self.switch_s = max(self.s.switch_cost_s, switch_s)
-        if n_t != self.current and self._here[3] >= self.s.cooldown_steps - 1 and self.rate and self.train_s:
-            self.measured[self.current] = (self._here[2] / self._here[3], self.rate * self.train_s)
+        recent = self._recent_step_s()
+        if n_t != self.current and len(self._here) >= self.s.cooldown_steps - 1 and recent and self.rate and self.train_s:
+            self.measured[self.current] = (recent, self.rate * self.train_s)
         self.current = n_t
         self.steps_since_change = 0
-        self._here = [0.0, 0.0, 0.0, 0]
+        self._here = []
 
     def mismatch(self, n_t: int) -> float:
         """|log(predicted fresh coverage / target)| of the placement with ``n_t`` trainer replicas."""

@@ -120,6 +120,17 @@ def test_a_split_that_starves_its_trainers_is_left_for_a_faster_one_and_not_trie
     assert pl.ceiling == 4
 
 
+def test_a_split_that_starts_starving_as_the_workload_drifts_is_left_within_a_few_windows():
+    # At slack 1.0, 5 trainers are the fastest split (1.6 s a step, not starved). Then the workload drifts
+    # (a step's fresh supply gets burstier, slack 1.8): 5 now wait, 2.4 s a step, and 4 take 2.0 s. Judged
+    # on every window since it arrived, the 40 fast ones would hide the slow ones for about 40 more steps.
+    pl = planner(n_t=2, cooldown_steps=5)
+    before = drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.0), 60)
+    assert before[-30:] == [5] * 30, before
+    after = drive(pl, lambda pl: knife_edge_window(4.0, 8.0, pl, slack=1.8), 30)
+    assert 4 in after[:2 * 5] and set(after[-15:]) == {4}, after
+
+
 def test_a_starved_split_stays_when_fewer_trainers_would_be_slower():
     # slack 1.3: 5 trainers wait, but step in 1.73 s, faster than 4 trainers' 2.0 s: stay at 5.
     pl = planner(n_t=2)
