@@ -24,6 +24,17 @@ PROBE_CPU_S = 1.0            # CPU seconds of fixed generation per probe (back t
 _probe_engine: dict = {}
 
 
+def run_arguments(ap, timeout: float | None) -> None:
+    """The options every run-based benchmark takes: config overrides, where the runs go, a run's time
+    limit (None: the benchmark sets each run's own), and one JSON object on the last line."""
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="config override for every run (repeatable)")
+    ap.add_argument("--out", default=None, help="directory for the runs (default: a temporary one)")
+    if timeout is not None:
+        ap.add_argument("--timeout", type=float, default=timeout, help="seconds one run may take")
+    ap.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
+
+
 def machine_probe(config: str, sets: list[str]) -> float:
     """Tokens per CPU second of a fixed generation by the run's policy in this process
     (the same prompts and seed every time, at most 2 running requests, one torch thread): the machine's speed

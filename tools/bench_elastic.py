@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, mean, median, prepare, run, table  # noqa: E402
+from bench_common import ROOT, mean, median, prepare, run, run_arguments, table  # noqa: E402
 
 from reflow_hpc.sim.report import median_error  # noqa: E402
 
@@ -62,10 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: trainer.steps)")
     ap.add_argument("--warmup-steps", type=int, default=5)
     ap.add_argument("--cpu-quota", type=float, default=0.45)
-    ap.add_argument("--set", dest="sets", action="append", default=[])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--json", action="store_true")
+    run_arguments(ap, timeout=3600)
     ap.add_argument("--repeat", type=int, default=1, help="run every arm N times, interleaved; ratios are medians")
     args = ap.parse_args(argv)
     cfg = prepare(args.config, args.sets)

@@ -119,7 +119,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_common import (busy_rate, cap_flags, median, mode_flags, per_rank, probed_run, rank_cpu_s,  # noqa: E402
-                          rank_cpu_share, rank_profile, rank_records)
+                          rank_cpu_share, rank_profile, rank_records, run_arguments)
 from bench_modes import MODES, mode_sets  # noqa: E402
 
 from reflow_hpc.config import load  # noqa: E402
@@ -733,12 +733,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every-steps", type=int, default=25)
     ap.add_argument("--cpu-quota", type=float, default=0.45)
     ap.add_argument("--peer", choices=("trl",), default=None)
-    ap.add_argument("--out", default=None, help="directory for the runs (default: a temporary one)")
     ap.add_argument("--summarise-only", action="store_true",
                     help="read the runs already in --out instead of making them")
     ap.add_argument("--plot", default=None, help="PNG path (default: OUT/bench_learning.png)")
-    ap.add_argument("--set", dest="sets", action="append", default=[])
-    ap.add_argument("--json", action="store_true")
+    run_arguments(ap, timeout=None)        # a run's limit follows from --budget-s
     args = ap.parse_args(argv)
     if args.summarise_only and not args.out:
         ap.error("--summarise-only reads the runs of --out DIR")

@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_common import cap_flags, mode_flags, rank_profile, ranks_table, run  # noqa: E402
+from bench_common import cap_flags, mode_flags, rank_profile, ranks_table, run, run_arguments  # noqa: E402
 
 from reflow_hpc.config import load  # noqa: E402
 from reflow_hpc.sim.report import table as text_table  # noqa: E402
@@ -192,10 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-quota", type=float, default=0.45,
                     help="share of one core every rank is held to (resources.cpu_quota; 0 = none)")
     ap.add_argument("--peer", choices=("trl",), default=None)
-    ap.add_argument("--set", dest="sets", action="append", default=[])
-    ap.add_argument("--out", default=None, help="directory for the runs (default: a temporary one)")
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--json", action="store_true")
+    run_arguments(ap, timeout=1800)
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat {args.repeat}: must be at least 1")

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, mean, median, prepare, run, table  # noqa: E402
+from bench_common import ROOT, mean, median, prepare, run, run_arguments, table  # noqa: E402
 
 
 
@@ -29,10 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", nargs="?", default=str(ROOT / "configs" / "cpu_tiny.toml"))
     ap.add_argument("--switches", type=int, default=8, help="switches each way")
     ap.add_argument("--cpu-quota", type=float, default=0.45)
-    ap.add_argument("--set", dest="sets", action="append", default=[])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--json", action="store_true")
+    run_arguments(ap, timeout=1800)
     args = ap.parse_args(argv)
     cfg = prepare(args.config, args.sets)
     base = cfg.resources.trainer_replicas

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, mean, median, prepare, run, table  # noqa: E402
+from bench_common import ROOT, mean, median, prepare, run, run_arguments, table  # noqa: E402
 
 
 def run_samples(run_dir: Path) -> list:
@@ -76,10 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="batches per share and cap in each round")
     ap.add_argument("--repeat", type=int, default=3, help="rounds, the caps taking turns in each")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU benches' one rank per core)")
-    ap.add_argument("--set", dest="sets", action="append", default=[])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--json", action="store_true")
+    run_arguments(ap, timeout=1800)
     args = ap.parse_args(argv)
     cfg = prepare(args.config, args.sets)
     if args.run:
