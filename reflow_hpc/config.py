@@ -513,13 +513,15 @@ class SchedulerConfig:
     placement_schedule: list[str] = opt([], "Switches at fixed steps instead of (or before) the planner's, as "
                                             "\"STEP:TRAINER_REPLICAS\" (e.g. [\"50:1\", \"120:2\"]): after STEP the pool "
                                             "switches to that many trainer replicas at the next sync point.")
-    cooldown_steps: int = opt(5, "Steps between two placement changes, at least.", ge=1)
+    cooldown_steps: int = opt(5, "Steps between two placement changes, at least; also the windows (the latest at a "
+                                 "placement) over which the planner measures its step time and its trainers' wait.",
+                              ge=1)
     placement_margin: float = opt(0.15, "A new placement must be predicted to step faster by more than this, in log "
                                         "of the step time (0.15: 16 %; hysteresis against noise in the measured rates).",
                                   ge=0)
     placement_ema: float = opt(0.3, "Weight of the newest window in the planner's smoothed rates.", gt=0, le=1)
     starve_idle: float = opt(0.05, "Trainers that waited for data more than this fraction of their steps at a placement "
-                                   "(mean over its windows after the first) while the rollout workers were busy mark "
+                                   "(mean over its latest cooldown_steps windows) while the rollout workers were busy mark "
                                    "it as starved: the planner moves a trainer replica back when that is predicted "
                                    "faster, and proposes no more until the measured rates change.", gt=0, lt=1)
     switch_cost_s: float = opt(10.0, "The least the planner takes a switch of the pools to cost (the wall time of the "
