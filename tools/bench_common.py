@@ -160,14 +160,20 @@ def rank_records(run_dir: Path, summary: dict) -> list[dict]:
                 out.append(json.loads(p.read_text()))
             except (OSError, ValueError):
                 pass
+    speed = machine_speed(run_dir)
+    for rec in out:
+        rec["machine_tokens_per_cpu_s"] = speed
+    return out
+
+
+def machine_speed(run_dir: Path) -> float | None:
+    """The machine probe's tokens per CPU second around a run (mean of before and after); None without one."""
     try:
         probe = json.loads((Path(run_dir) / PROBE_FILE).read_text())
         speed = mean([probe.get("before"), probe.get("after")])
     except (OSError, ValueError, AttributeError):
-        speed = None
-    for rec in out:
-        rec["machine_tokens_per_cpu_s"] = speed if speed is not None and not math.isnan(speed) else None
-    return out
+        return None
+    return None if math.isnan(speed) else speed
 
 
 def rank_cpu_s(rec: dict) -> float | None:

@@ -13,6 +13,10 @@ warm start with the same seed and steps, every rank held to ``--cpu-quota`` of o
 - ``static n_T=k``: every fixed split of the ranks;
 - ``elastic, fixed caps``: elastic, without adaptive generation scheduling (scheduler.adaptive = false).
 
+Per run also the machine probe around it (tokens per CPU second of a fixed generation,
+``machine_probe.json``): this machine's speed drifts between runs minutes apart, and a repeat whose
+elastic arm ran more than 25 % slower or faster than its best static arm is flagged.
+
 Per run: tokens/s (the paper's throughput: trainer tokens ÷ step time, over the steps after
 ``--warmup-steps``), generation tokens/s (``rollout/generated_tokens_per_s``), trainer and rollout
 idle, the planner's median error per step in the usable fresh coverage and the step time it
@@ -35,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, mean, median, prepare, run, run_arguments, table  # noqa: E402
+from bench_common import RANK_TOLERANCE, ROOT, machine_speed, mean, median, prepare, run, run_arguments, table  # noqa: E402
 
 from reflow_hpc.sim.report import median_error  # noqa: E402
 
@@ -81,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             tag = f" (repeat {rep + 1})" if args.repeat > 1 else ""
             print(f"bench_elastic: {name}{tag} ({steps} steps) ...", file=sys.stderr, flush=True)
             run_name = name.replace(" ", "_").replace("=", "").replace(",", "") + (f"_r{rep}" if rep else "")
-            _, metrics, summary, wall = run(args.config, run_name, common + sets, out, args.timeout)
-            rows.append({"repeat": rep + 1, **measure(name, metrics, summary, args.warmup_steps, wall)})
+            run_dir, metrics, summary, wall = run(args.config, run_name, common + sets, out, args.timeout)
+            rows.append({"repeat": rep + 1, **measure(name, metrics, summary, args.warmup_steps, wall),
+                         "machine_probe": machine_speed(run_dir) or float("nan")})
     reps = [ratios([r for r in rows if r["repeat"] == k + 1]) for k in range(args.repeat)]
     res = {k: median([x[k] for x in reps]) for k in reps[0] if isinstance(reps[0][k], float)}
     res.update(repeats=reps, cpu_quota=args.cpu_quota, steps=steps, rows=rows)
@@ -90,11 +95,17 @@ def main(argv: list[str] | None = None) -> int:
                        ("gen tok/s", "generation_tokens_per_s", "{:.0f}"), ("idle T", "idle_ratio/trainer", "{:.1%}"),
                        ("idle R", "idle_ratio/rollout", "{:.1%}"), ("replay", "replay_fraction", "{:.2f}"),
                        ("cov err", "coverage_error", "{:.1%}"), ("step err", "step_error", "{:.1%}"),
-                       ("placements (after step:n_T)", "placements", "{}"), ("train s", "train_seconds", "{:.0f}")]))
+                       ("placements (after step:n_T)", "placements", "{}"), ("train s", "train_seconds", "{:.0f}"),
+                       ("probe", "machine_probe", "{:.0f}")]))
     for x in reps:
         print(f"repeat: elastic / best static ({x['best_static']}) {x['elastic_over_best_static']:.2f}, "
               f"/ worst ({x['worst_static']}) {x['elastic_over_worst_static']:.2f}; elastic idle trainer "
-              f"{x['elastic_idle_trainer']:.1%}, rollout {x['elastic_idle_rollout']:.1%}")
+              f"{x['elastic_idle_trainer']:.1%}, rollout {x['elastic_idle_rollout']:.1%}; machine probe, elastic / "
+              f"best static: {x['probe_elastic_over_best']:.2f}")
+        if abs(x["probe_elastic_over_best"] - 1) > RANK_TOLERANCE:
+            print(f"  flag: the machine ran the elastic arm at {x['probe_elastic_over_best']:.2f}× the best static "
+                  f"arm's speed (probe, tokens per CPU second): this repeat's ratio measures the machine as much "
+                  f"as the placement")
     med = f"median of {args.repeat} " if args.repeat > 1 else ""
     print(f"{med}elastic / best static: {res['elastic_over_best_static']:.2f} (goal ≥ 1.0); elastic / worst static: "
           f"{res['elastic_over_worst_static']:.2f} (goal ≥ 1.15)")
@@ -120,7 +131,8 @@ def ratios(rows: list[dict]) -> dict:
             "elastic_idle_trainer": e["idle_ratio/trainer"], "elastic_idle_rollout": e["idle_ratio/rollout"],
             "elastic_coverage_error": e["coverage_error"], "elastic_step_error": e["step_error"],
             "adaptive_over_fixed_generation": e["generation_tokens_per_s"]
-            / by["elastic, fixed caps"]["generation_tokens_per_s"]}
+            / by["elastic, fixed caps"]["generation_tokens_per_s"],
+            "probe_elastic_over_best": e["machine_probe"] / best["machine_probe"]}
 
 
 if __name__ == "__main__":
