@@ -98,8 +98,8 @@ which refills the pipeline, left out), the trainers waited on average more than 
 the step while the rollout workers were busy (mean idle below ``starve_idle``), their mean step time
 is what its fresh supply allows. Only the latest windows count, because a workload drifts: on
 ``cpu_drift`` the chains lengthen through the run, and a mean over every window since the pool
-arrived kept the early, unstarved steps in it, so the pool stayed at 3 trainers 15–29 steps after its
-recent steps were slower than those measured at 2. If the next placement with fewer trainer
+arrived kept the early, unstarved steps in it and held the pool at 3 trainers until steps 19–33 of 60
+(three runs); judged by the latest windows it left at steps 17–28. If the next placement with fewer trainer
 replicas, ``k``, would step faster even when bound by its trainers (``t / k`` below that mean), the
 placement has too many trainers: the planner moves at once (no margin needed) to the best placement
 with at most ``k``, and proposes no more than ``k`` trainer replicas until the predicted fresh
