@@ -99,8 +99,8 @@ the step while the rollout workers were busy (mean idle below ``starve_idle``), 
 is what its fresh supply allows. Only the latest windows count, because a workload drifts: on
 ``cpu_drift`` the chains lengthen through the run, and a mean over every window since the pool
 arrived kept the early, unstarved steps in it and held the pool at 3 trainers until steps 19–33 of 60
-(three runs); judged by the latest windows it left at steps 17–28. If the next placement with fewer trainer
-replicas, ``k``, would step faster even when bound by its trainers (``t / k`` below that mean), the
+(three runs); judged by the latest windows it left at steps 17–28. If the next placement with fewer
+trainer replicas, ``k``, would step faster even when bound by its trainers (``t / k`` below that mean), the
 placement has too many trainers: the planner moves at once (no margin needed) to the best placement
 with at most ``k``, and proposes no more than ``k`` trainer replicas until the predicted fresh
 coverage of every placement (∝ ``p·t``) has grown by more than ``2·margin`` (in log) since then, that
@@ -119,8 +119,8 @@ ranks, 60 steps: retreats at steps 46 and 55 cost runs 8–25 % against the spli
 Measured beats predicted. When the pool leaves a placement after at least ``cooldown_steps − 1``
 windows past its first, the planner keeps the mean step time of the latest ``cooldown_steps`` of them,
 with the supply it predicted then (∝ p·t). It does not move back to a placement whose kept step time
-is no faster than the mean of the latest ``cooldown_steps`` windows at the one in force, as long as that supply has moved by at most ``2·margin`` (in log) since, in
-either direction. Without this rule the coding workload (4 CPU ranks) flapped between 2 and 3
+is no faster than the mean of the latest ``cooldown_steps`` windows at the one in force, as long as
+that supply has moved by at most ``2·margin`` (in log) since, in either direction. Without this rule the coding workload (4 CPU ranks) flapped between 2 and 3
 trainers, four moves in 37 steps: at 3 its trainers starved (5.2–5.7 s a step), and the starvation
 rule retreated to 2, predicted at 5.1 s a step, where the run had already measured 7.0–7.9 s (a
 replica's compute per token was 10–15 % higher there, 16 sequences per micro-batch padded to the
