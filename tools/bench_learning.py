@@ -127,6 +127,7 @@ from reflow_hpc.metrics import read_jsonl  # noqa: E402
 
 GAIN_FRACTION = 0.9          # "time to reach 90 % of sync's final gain"
 GRID_POINTS = 200            # common grid the seeds' curves are averaged on (plot only)
+DEFAULT_BUDGET_S = 120.0     # a run's training time when --budget-s is not given
 RESOLVE = 0.10               # the difference in time to reward the benchmark should decide
 RUN_TOLERANCE = 0.25         # a run's rate this far from its arm's median is flagged
 EPS = 1e-9                   # a curve within this of a level reaches it (a mean of equal finals is not exact)
@@ -631,8 +632,11 @@ def read_run(run_dir: Path, label: str, seed: int) -> dict:
     curve_set = summary.get("eval/curve_set", "task")       # the set the snapshots were scored on (run.eval_curve)
     ev = f"eval/{curve_set}/"
     evals = [e for e in evals if ev + "reward" in e]
+    topology = run_dir / "topology.json"
+    budget = (json.loads(topology.read_text()).get("config", {}).get("trainer", {}).get("time_budget_s")
+              if topology.is_file() else None)
     return {"mode": label, "seed": seed, "run_dir": str(run_dir), "steps": summary.get("steps"),
-            "curve_set": curve_set,
+            "curve_set": curve_set, "budget_s": budget,
             "train_seconds": summary.get("train_seconds"),
             "curve": [(e["eval/elapsed_s"], e[ev + "reward"]) for e in evals],
             "step_curve": [(e["step"], e[ev + "reward"]) for e in evals],
@@ -647,6 +651,18 @@ def read_run(run_dir: Path, label: str, seed: int) -> dict:
             "throughput_tokens_per_s": diag["train_tokens_per_s"],
             "idle_ratio/trainer": diag["idle_ratio/trainer"], "idle_ratio/rollout": diag["idle_ratio/rollout"],
             "diagnostics": diag, "ranks": rank_records(run_dir, summary)}
+
+
+def runs_budget(runs: list[dict], given: float | None, out: Path) -> float:
+    """The budget the runs read back trained for (the censoring time); ``given`` (``--budget-s``) must agree."""
+    budgets = sorted({r["budget_s"] for r in runs if r.get("budget_s")})
+    if len(budgets) > 1:
+        raise SystemExit(f"bench_learning: the runs in {out} trained for different budgets ({', '.join(f'{b:g} s' for b in budgets)}); "
+                         f"summarise the runs of one budget together")
+    if given is not None and budgets and budgets[0] != given:
+        raise SystemExit(f"bench_learning: --budget-s {given:g}, but the runs in {out} trained for {budgets[0]:g} s "
+                         f"(trainer.time_budget_s)")
+    return given if given is not None else budgets[0] if budgets else DEFAULT_BUDGET_S
 
 
 def run_one(config: str, mode: str, seed: int, args: argparse.Namespace, out: Path,
@@ -729,7 +745,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--algorithms", default=None, help="objectives (algorithm.name) to compare, comma-separated")
-    ap.add_argument("--budget-s", type=float, default=120.0, help="training time of every run (seconds)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help=f"training time of every run (seconds; default {DEFAULT_BUDGET_S:g}, or with --summarise-only "
+                         f"the runs' own)")
     ap.add_argument("--eval-every-steps", type=int, default=25)
     ap.add_argument("--cpu-quota", type=float, default=0.45)
     ap.add_argument("--peer", choices=("trl",), default=None)
@@ -740,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.summarise_only and not args.out:
         ap.error("--summarise-only reads the runs of --out DIR")
+    if args.budget_s is None and not args.summarise_only:
+        args.budget_s = DEFAULT_BUDGET_S
     seeds = [int(s) for s in args.seeds.split(",")]
     modes = args.modes.split(",")
     algorithms = parse_algorithms(args.algorithms)
@@ -765,6 +785,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_peer(args.config, seed, args, cfg.resources.workers))
     if args.peer and args.summarise_only:
         print("bench_learning: --summarise-only: the TRL peer's runs are not kept, so not read back", file=sys.stderr)
+    if args.summarise_only:
+        args.budget_s = runs_budget(runs, args.budget_s, out)
     curves: dict[str, dict[int, list]] = {}
     step_curves: dict[str, dict[int, list]] = {}
     for r in runs:

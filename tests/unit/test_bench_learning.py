@@ -358,3 +358,17 @@ def test_reward_is_read_at_the_fewest_uses_and_generated_samples_any_run_reached
     assert rows["replay"]["at_uses"] == pytest.approx(0.3)                 # halfway along 0.1 -> 0.5
     assert rows["replay"]["at_generated"] == pytest.approx(0.5) and rows["replay"]["at_generated_se"] == 0.0
     assert "at 1000 uses" in bl.algorithms_table(rows)
+
+
+def test_summarising_reads_the_budget_the_runs_trained_for(tmp_path):
+    """--summarise-only censors at the runs' own budget; a --budget-s that disagrees, or runs of two
+    budgets, is an error naming the directory."""
+    runs = [{"mode": "sync", "seed": 0, "budget_s": 240.0}, {"mode": "reflow", "seed": 0, "budget_s": 240.0},
+            {"mode": "trl", "seed": 0}]
+    assert bl.runs_budget(runs, None, tmp_path) == 240.0
+    assert bl.runs_budget(runs, 240.0, tmp_path) == 240.0
+    with pytest.raises(SystemExit, match=f"--budget-s 120, but the runs in {tmp_path} trained for 240 s"):
+        bl.runs_budget(runs, 120.0, tmp_path)
+    with pytest.raises(SystemExit, match="different budgets .60 s, 240 s."):
+        bl.runs_budget(runs + [{"mode": "reflow", "seed": 1, "budget_s": 60.0}], None, tmp_path)
+    assert bl.runs_budget([{"mode": "sync", "seed": 0, "budget_s": None}], None, tmp_path) == bl.DEFAULT_BUDGET_S
