@@ -305,9 +305,16 @@ def train(rt) -> int:
     write_record(rt.cfg.run_dir, worker)        # its account for the benchmarks, before the evaluation
     rt.shutdown()
     destroy()
-    scores = evaluate(rt) if rt.cfg.run.eval_prompts else None
+    # After a stop signal the kill is near (Slurm's KillWait, the USR2 lead): the resumed run scores the
+    # snapshots instead, at its end, as it scores any it finds unscored.
+    from .runtime.messages import DONE
+    evaluating = bool(rt.cfg.run.eval_prompts) and worker.stop_reason == DONE
+    scores = evaluate(rt) if evaluating else None
     if side is None:
         return 0
+    if rt.cfg.run.eval_prompts and not evaluating:
+        print(f"reflow_hpc: {worker.stop_reason}: the held-out evaluation is left to the resumed run, which scores "
+              f"this run's snapshots at its end", flush=True)
     summary = dict(side.summary)
     summary.update(scores or {})
     summary["ranks"] = gather_records(rt.cfg.run_dir, rt.size, since=worker.account.started)

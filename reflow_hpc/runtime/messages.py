@@ -52,7 +52,12 @@ class Welcome:
 
 @dataclass
 class Stop:
+    """The run is over: ``DONE``, or why it was cut short (a signal), in which case the ranks skip the
+    end-of-run evaluation and leave it to the resumed run (a stop signal leaves little time before the kill)."""
     reason: str = "done"
+
+
+DONE = Stop().reason
 
 
 @dataclass

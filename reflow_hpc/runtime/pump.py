@@ -7,7 +7,8 @@ every message from a worker goes to ``side.on_message(source, msg, now)`` (the t
 it by type to the pure :class:`~reflow_hpc.core.coordinator.Coordinator`, ``runtime/training.py``;
 the self-check side collects reports), ``side.on_tick(now)`` runs on every loop, and the
 ``(dest, message)`` pairs they return are sent. Every ``run.heartbeat_s`` every worker gets a
-:class:`Heartbeat`; when ``side.done()`` turns true every worker gets :class:`Stop`.
+:class:`Heartbeat`; when ``side.done()`` turns true every worker gets :class:`Stop`
+(``side.stop_reason()``).
 
 A :class:`Failure` from any worker is logged with its rank and ends the job.
 """
@@ -40,6 +41,10 @@ class Side(Protocol):
     def on_tick(self, now: float) -> Outgoing: ...
 
     def done(self) -> bool: ...
+
+    def stop_reason(self) -> str:
+        """What the :class:`Stop` every worker gets once ``done()`` says (messages.DONE: ended as planned)."""
+        ...
 
 
 class HandshakeTimeout(RankTimeout):
@@ -128,7 +133,7 @@ class MessagePump(threading.Thread):
                 if m is None and not out:
                     backoff.idle()
             for r in range(self.channel.size):
-                self.channel.send(r, Stop(), TAG_SERVICE)
+                self.channel.send(r, Stop(self.side.stop_reason()), TAG_SERVICE)
         except BaseException as e:
             self.error = e
             quiet = isinstance(e, (RankTimeout, Unresponsive, EventLogError))

@@ -21,7 +21,7 @@ from ..config import Config, to_dict
 from ..private import private_dir, write_atomic
 from .context import Runtime
 from .pump import Outgoing
-from .messages import CheckReport, Hello
+from .messages import DONE, CheckReport, Hello
 
 
 class CheckSide:
@@ -59,6 +59,9 @@ class CheckSide:
 
     def done(self) -> bool:
         return self.written is not None
+
+    def stop_reason(self) -> str:
+        return DONE
 
 
 def write_topology(cfg: Config, hellos: list[Hello], reports: dict[int, CheckReport] | None, handshake_s: float,

@@ -32,7 +32,7 @@ from ..private import private_dir, write_atomic
 from .eventlog import EventWriter
 from ..rollout.tool_executor import step_metrics as tool_step_metrics
 from .telemetry import step_metrics as gpu_step_metrics
-from .messages import (CheckpointWritten, EngineReport, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished,
+from .messages import (DONE, CheckpointWritten, EngineReport, Heartbeat, Hello, Ready, SamplesFailed, SamplesFinished,
                        TrajectoriesFlushed, StepDone, Switched, WeightsLoaded)
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
@@ -111,6 +111,7 @@ class TrainingSide:
         self.started_at = 0.0
         self.finished = False
         self.stop_asked = False                 # set by the signal handler, acted on by the coordinator thread
+        self.signalled = ""                     # the stop signal's name, once one came
         self.summary: dict[str, Any] = {}
         # Each message as the coordinator event it reports.
         self.events_of: dict[type, Callable[[int, Any, float], Any]] = {
@@ -131,6 +132,7 @@ class TrainingSide:
 
     def request_stop(self, signum: int = 0, _frame: Any = None) -> None:
         """Signal handler (rank 0 main thread): finish the current step, checkpoint, stop."""
+        self.signalled = self.signalled or (signal.Signals(signum).name if signum else "a stop request")
         self.stop_asked = True
 
     # ------------------------------------------------------------------------------ the pump's hooks
@@ -173,6 +175,9 @@ class TrainingSide:
 
     def done(self) -> bool:
         return self.finished
+
+    def stop_reason(self) -> str:
+        return f"stopped by {self.signalled}" if self.signalled else DONE
 
     # ------------------------------------------------------------------------------ events
 

@@ -125,6 +125,7 @@ class Worker:
         self.idle_s = 0.0              # rollout idle: nothing in flight while in the rollout role
         self.trainer_idle_since = time.monotonic()
         self.stopped = False
+        self.stop_reason = ""              # the Stop's: messages.DONE, or why the run was cut short
         self.switches = 0                   # Switch commands so far
         # The rank's account for the benchmarks (rankstats.py): busy generation and training time.
         self.generate_s, self.train_s, self.train_steps = 0.0, 0.0, 0
@@ -551,7 +552,7 @@ class Worker:
             save_snapshot(self.cfg.run_dir, model, cmd.step, cmd.version, cmd.elapsed_s)
 
     def _stop(self, cmd: Stop) -> None:
-        self.stopped = True
+        self.stopped, self.stop_reason = True, cmd.reason
         link = self.follower
         if self.runner is not None and link is None:
             self.runner.abandon()

@@ -108,7 +108,7 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_anything(tmp_path
     # A dispatch window far beyond a step's need: rollout workers are busy when the stop comes.
     sets = ["reflow.mode=reflow", "trainer.batch_size=16", "algorithm.group_size=4", "storage.flush_rows=1",
             "trainer.steps=8", "reflow.delta=2", "reflow.b_max=128", "scheduler.elastic=false"]
-    args = run_argv(tmp_path, policy_dir, name, "run.eval_prompts=0", *sets)
+    args = run_argv(tmp_path, policy_dir, name, "run.eval_prompts=16", "run.eval_every_steps=2", *sets)
     run_dir = tmp_path / name
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -122,6 +122,8 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_anything(tmp_path
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert "stop requested" in out
+    # The kill is near after a stop signal: the evaluation is left to the resumed run.
+    assert "stopped by SIGUSR2: the held-out evaluation is left to the resumed run" in out
     m1 = read_jsonl(run_dir / "metrics.jsonl")
     s1 = json.loads((run_dir / "summary.json").read_text())
     assert 2 <= s1["steps"] < 8 and len(m1) == s1["steps"]
@@ -136,7 +138,12 @@ def test_usr2_checkpoints_then_resume_continues_without_losing_anything(tmp_path
     state = json.loads((ckpt / "extra" / "coordinator.json").read_text())
     assert len(state["partials"]) == saved
 
-    _, m2, s2, r2 = run(tmp_path, policy_dir, *sets, f"storage.dir={tmp_path / 'other-node'}", name=name)
+    assert not [k for k in s1 if k.startswith("eval/")]
+    _, m2, s2, r2 = run(tmp_path, policy_dir, *sets, "run.eval_every_steps=2", f"storage.dir={tmp_path / 'other-node'}",
+                        name=name)
+    # ... which scores the snapshots of both process sets.
+    scored = [p["step"] for p in s2["eval/curve"]]
+    assert scored[0] == 0 and 2 in scored and scored[-1] == 8, scored
     assert "resuming from" in r2.stdout
     assert s2["resumed_partials"] == saved
     resumed = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
