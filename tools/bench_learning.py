@@ -657,7 +657,8 @@ def runs_budget(runs: list[dict], given: float | None, out: Path) -> float:
     """The budget the runs read back trained for (the censoring time); ``given`` (``--budget-s``) must agree."""
     budgets = sorted({r["budget_s"] for r in runs if r.get("budget_s")})
     if len(budgets) > 1:
-        raise SystemExit(f"bench_learning: the runs in {out} trained for different budgets ({', '.join(f'{b:g} s' for b in budgets)}); "
+        listed = ", ".join(f"{b:g} s" for b in budgets)
+        raise SystemExit(f"bench_learning: the runs in {out} trained for different budgets ({listed}); "
                          f"summarise the runs of one budget together")
     if given is not None and budgets and budgets[0] != given:
         raise SystemExit(f"bench_learning: --budget-s {given:g}, but the runs in {out} trained for {budgets[0]:g} s "
