@@ -124,8 +124,7 @@ class Worker:
         self._saved_partials: dict[int, Any] | None = None      # the checkpoint's, read once
         self.idle_s = 0.0              # rollout idle: nothing in flight while in the rollout role
         self.trainer_idle_since = time.monotonic()
-        self.stopped = False
-        self.stop_reason = ""              # the Stop's: messages.DONE, or why the run was cut short
+        self.stop_reason = ""              # once a Stop came, its reason: messages.DONE, or why the run was cut short
         self.switches = 0                   # Switch commands so far
         # The rank's account for the benchmarks (rankstats.py): busy generation and training time.
         self.generate_s, self.train_s, self.train_steps = 0.0, 0.0, 0
@@ -283,7 +282,7 @@ class Worker:
         setup = self._wait(lambda m: isinstance(m, Setup), "waiting for setup")
         self.setup(setup)
         link, backoff = self.follower, self.rt.control.backoff()
-        while not self.stopped:
+        while not self.stop_reason:
             # A follower applies one of its leader's calls per turn, so its own commands are never starved.
             followed = link is not None and link.pending()
             if followed:
@@ -552,7 +551,7 @@ class Worker:
             save_snapshot(self.cfg.run_dir, model, cmd.step, cmd.version, cmd.elapsed_s)
 
     def _stop(self, cmd: Stop) -> None:
-        self.stopped, self.stop_reason = True, cmd.reason
+        self.stop_reason = cmd.reason
         link = self.follower
         if self.runner is not None and link is None:
             self.runner.abandon()
