@@ -116,15 +116,15 @@ measured, and the linear rates are what misjudged that placement in the first pl
 has to pay for its switch, with that measured saving: late in a run no retreat is worth one (4 CPU
 ranks, 60 steps: retreats at steps 46 and 55 cost runs 8–25 % against the split they left).
 
-Measured beats predicted. When the pool leaves a placement after at least ``cooldown_steps − 1``
-windows past its first, the planner keeps the mean step time of the latest ``cooldown_steps`` of them,
-with the supply it predicted then (∝ p·t). It does not move back to a placement whose kept step time
-is no faster than the mean of the latest ``cooldown_steps`` windows at the one in force, as long as
-that supply has moved by at most ``2·margin`` (in log) since, in either direction. Without this rule the coding workload (4 CPU ranks) flapped between 2 and 3
-trainers, four moves in 37 steps: at 3 its trainers starved (5.2–5.7 s a step), and the starvation
-rule retreated to 2, predicted at 5.1 s a step, where the run had already measured 7.0–7.9 s (a
-replica's compute per token was 10–15 % higher there, 16 sequences per micro-batch padded to the
-longest against 10–11, and the model missed more than that).
+Measured beats predicted. When the pool leaves a placement after at least ``cooldown_steps − 1`` windows
+past its first, the planner keeps the mean step time of the latest ``cooldown_steps`` of them, with the
+supply it predicted then (∝ p·t). It does not move back to a placement whose kept step time is no faster
+than the mean of the latest ``cooldown_steps`` windows at the one in force, as long as that supply has
+moved by at most ``2·margin`` (in log) since, in either direction. Without this rule the coding workload
+(4 CPU ranks) flapped between 2 and 3 trainers, four moves in 37 steps: at 3 its trainers starved
+(5.2–5.7 s a step), and the starvation rule retreated to 2, predicted at 5.1 s a step, where the run had
+already measured 7.0–7.9 s (a replica's compute per token was 10–15 % higher there, 16 sequences per
+micro-batch padded to the longest against 10–11, and the model missed more than that).
 """
 
 from __future__ import annotations
