@@ -64,7 +64,10 @@ each run (``machine_probe.json`` in its directory: the machine's own speed drift
 whose generation or training rate differs by more than 25 % from the median of its arm's runs is flagged (a line ``FLAG: …``), and so is an arm whose per-rank busy generation rate or thread
 count differs by more than 25 % from the reference's: every run is held to the same ``--cpu-quota``
 (equal caps), so a rank should generate as fast in every mode; so is a rank with no CPU cgroup or above
-its cap. A run made before the runtime kept rank records shows ``-`` there.
+its cap. A run made before the runtime kept rank records shows ``-`` there. Where the task has a form
+rule (``eval/<set>/well_formed``), each run's share of well-formed eval answers at its start, lowest
+and final snapshot is shown, and a run whose final share is more than 0.05 below its start is flagged:
+its late rewards then measure a broken answer form, not the mode's speed.
 
 **Outputs.** Tables of the above, a PNG with two panels (eval reward against training time and against
 optimizer steps, mean ± s.e. over seeds, with both levels), and with ``--json`` one JSON object (the
@@ -130,6 +133,7 @@ GRID_POINTS = 200            # common grid the seeds' curves are averaged on (pl
 DEFAULT_BUDGET_S = 120.0     # a run's training time when --budget-s is not given
 RESOLVE = 0.10               # the difference in time to reward the benchmark should decide
 RUN_TOLERANCE = 0.25         # a run's rate this far from its arm's median is flagged
+FORMAT_DROP = 0.05           # a run whose held-out share of well-formed answers ends this far below its start is flagged
 EPS = 1e-9                   # a curve within this of a level reaches it (a mean of equal finals is not exact)
 LEVELS = ("sync_final", "sync_gain_90")
 
@@ -528,9 +532,30 @@ def targets_table(result: dict) -> str:
     return _text_table(head, rows)
 
 
+def format_share(run: dict) -> tuple[float, float, float]:
+    """(start, lowest, final) share of a run's eval samples in the verifier's answer form (nan where the task
+    has no form rule)."""
+    shares = [wf for _, _, wf in run.get("well_formed_curve") or []]
+    shares = [x for x in shares if not math.isnan(x)]
+    return (shares[0], min(shares), shares[-1]) if shares else (math.nan, math.nan, math.nan)
+
+
+def format_flags(runs: list[dict], drop: float = FORMAT_DROP) -> list[str]:
+    """"FLAG: …" for a run whose eval share of well-formed answers ends more than ``drop`` below its start:
+    training broke the answers' form (on the coding task, code that no longer parses), so its later
+    rewards measure that loss, not how fast the mode learns."""
+    flags = []
+    for r in runs:
+        start, low, final = format_share(r)
+        if not math.isnan(start) and start - final > drop:
+            flags.append(f"FLAG: {r['mode']} seed {r['seed']}: the share of well-formed eval answers fell "
+                         f"{start:.3f} -> {final:.3f} (lowest {low:.3f}): training is breaking the answers' form")
+    return flags
+
+
 def runs_table(runs: list[dict]) -> str:
     """One row per run: its sample economy, rates and per-rank figures, so an outlier shows."""
-    head = ["arm", "seed", "steps", "final", "gen/trained", "uses/trained", "replay by quarter", "gen tok/s",
+    head = ["arm", "seed", "steps", "final", "well-formed start/low/final", "gen/trained", "uses/trained", "replay by quarter", "gen tok/s",
             "train tok/s", "busy train", "idle T", "idle R", "busy gen tok/s per rank", "CPU s per rank",
             "CPU share per rank", "threads per rank"]
     rows = []
@@ -538,6 +563,7 @@ def runs_table(runs: list[dict]) -> str:
         d = r.get("diagnostics") or {}
         ranks = r.get("ranks") or []
         rows.append([r["mode"], str(r["seed"]), _fmt(d.get("steps"), "d"), _fmt(r["curve"][-1][1], ".3f"),
+                     "/".join(_fmt(x, ".2f") for x in format_share(r)),
                      _fmt(d.get("generated_per_trained"), ".2f"), _fmt(d.get("uses_per_trained"), ".2f"),
                      " ".join(_fmt(q, ".2f") for q in d.get("replay_quarters", [])) or "-",
                      _fmt(d.get("gen_tokens_per_s"), ".0f"), _fmt(d.get("train_tokens_per_s"), ".0f"),
@@ -807,7 +833,8 @@ def main(argv: list[str] | None = None) -> int:
     result["resolution"] = resolution(result, ours, median([r.get("eval_prompts") for r in mine]),
                                       median([r.get("samples_per_prompt") for r in mine]))
     result["rank_profiles"] = rank_profiles(mine)
-    flags = run_flags(mine) + mode_flags(result["rank_profiles"], result.get("reference"))
+    flags = (run_flags(mine) + mode_flags(result["rank_profiles"], result.get("reference"))
+             + format_flags(mine))
     for r in mine:
         flags += cap_flags(f"{r['mode']} seed {r['seed']}", r.get("ranks") or [], args.cpu_quota)
     result["flags"] = flags

@@ -372,3 +372,16 @@ def test_summarising_reads_the_budget_the_runs_trained_for(tmp_path):
     with pytest.raises(SystemExit, match="different budgets .60 s, 240 s."):
         bl.runs_budget(runs + [{"mode": "reflow", "seed": 1, "budget_s": 60.0}], None, tmp_path)
     assert bl.runs_budget([{"mode": "sync", "seed": 0, "budget_s": None}], None, tmp_path) == bl.DEFAULT_BUDGET_S
+
+
+def test_a_run_whose_answers_lose_their_form_is_flagged():
+    def run(seed, shares):
+        return {"mode": "reflow", "seed": seed,
+                "well_formed_curve": [(10.0 * i, 0.5, wf) for i, wf in enumerate(shares)]}
+    runs = [run(0, (0.94, 0.92, 0.93)), run(1, (0.93, 0.78, 0.86)), {"mode": "sync", "seed": 0},
+            run(2, (math.nan, math.nan))]
+    assert bl.format_share(runs[1]) == (0.93, 0.78, 0.86)
+    assert all(math.isnan(x) for x in bl.format_share(runs[2]) + bl.format_share(runs[3]))
+    flags = bl.format_flags(runs)
+    assert flags == ["FLAG: reflow seed 1: the share of well-formed eval answers fell 0.930 -> 0.860 (lowest 0.780): "
+                     "training is breaking the answers' form"]
