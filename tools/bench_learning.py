@@ -555,8 +555,8 @@ def format_flags(runs: list[dict], drop: float = FORMAT_DROP) -> list[str]:
 
 def runs_table(runs: list[dict]) -> str:
     """One row per run: its sample economy, rates and per-rank figures, so an outlier shows."""
-    head = ["arm", "seed", "steps", "final", "well-formed start/low/final", "gen/trained", "uses/trained", "replay by quarter", "gen tok/s",
-            "train tok/s", "busy train", "idle T", "idle R", "busy gen tok/s per rank", "CPU s per rank",
+    head = ["arm", "seed", "steps", "final", "well-formed start/low/final", "gen/trained", "uses/trained",
+            "replay by quarter", "gen tok/s", "train tok/s", "busy train", "idle T", "idle R", "busy gen tok/s per rank", "CPU s per rank",
             "CPU share per rank", "threads per rank"]
     rows = []
     for r in runs:
