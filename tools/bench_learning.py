@@ -133,7 +133,7 @@ GRID_POINTS = 200            # common grid the seeds' curves are averaged on (pl
 DEFAULT_BUDGET_S = 120.0     # a run's training time when --budget-s is not given
 RESOLVE = 0.10               # the difference in time to reward the benchmark should decide
 RUN_TOLERANCE = 0.25         # a run's rate this far from its arm's median is flagged
-FORMAT_DROP = 0.05           # a run whose held-out share of well-formed answers ends this far below its start is flagged
+FORMAT_DROP = 0.05           # a run whose share of well-formed eval answers ends this far below its start is flagged
 EPS = 1e-9                   # a curve within this of a level reaches it (a mean of equal finals is not exact)
 LEVELS = ("sync_final", "sync_gain_90")
 
@@ -556,8 +556,8 @@ def format_flags(runs: list[dict], drop: float = FORMAT_DROP) -> list[str]:
 def runs_table(runs: list[dict]) -> str:
     """One row per run: its sample economy, rates and per-rank figures, so an outlier shows."""
     head = ["arm", "seed", "steps", "final", "well-formed start/low/final", "gen/trained", "uses/trained",
-            "replay by quarter", "gen tok/s", "train tok/s", "busy train", "idle T", "idle R", "busy gen tok/s per rank", "CPU s per rank",
-            "CPU share per rank", "threads per rank"]
+            "replay by quarter", "gen tok/s", "train tok/s", "busy train", "idle T", "idle R",
+            "busy gen tok/s per rank", "CPU s per rank", "CPU share per rank", "threads per rank"]
     rows = []
     for r in runs:
         d = r.get("diagnostics") or {}
