@@ -67,7 +67,10 @@ count differs by more than 25 % from the reference's: every run is held to the s
 its cap. A run made before the runtime kept rank records shows ``-`` there. Where the task has a form
 rule (``eval/<set>/well_formed``), each run's share of well-formed eval answers at its start, lowest
 and final snapshot is shown, and a run whose final share is more than 0.05 below its start is flagged:
-its late rewards then measure a broken answer form, not the mode's speed.
+its late rewards then measure a broken answer form, not the mode's speed. The *pool's busy share* is the
+ranks' generating plus training seconds (``generate_s`` + ``train_s`` of their records) ÷ (ranks × training
+time): 1 − it is the pool's capacity lost to waiting, and in sync 1 ÷ it bounds how much faster any mode that
+overlaps generation with training can make a step of the same work.
 
 **Outputs.** Tables of the above, a PNG with two panels (eval reward against training time and against
 optimizer steps, mean ± s.e. over seeds, with both levels), and with ``--json`` one JSON object (the
@@ -404,6 +407,15 @@ def run_diagnostics(steps: list[dict], summary: dict | None = None) -> dict:
             "idle_ratio/rollout": _mean([m.get("idle_ratio/rollout", math.nan) for m in steps])}
 
 
+def pool_busy_share(ranks: list[dict], seconds: float | None) -> float:
+    """The ranks' generating plus training seconds ÷ (ranks × ``seconds`` of training); nan without records.
+    A rank holds one role at a time, so its two busy times do not overlap."""
+    if not seconds or not any("generate_s" in r or "train_s" in r for r in ranks):
+        return math.nan
+    busy = sum((r.get("generate_s") or 0.0) + (r.get("train_s") or 0.0) for r in ranks)
+    return busy / (len(ranks) * seconds)
+
+
 RUN_FLAGGED = (("gen_tokens_per_s", "generation rate"), ("train_tokens_per_s", "training rate"))
 
 
@@ -557,7 +569,7 @@ def runs_table(runs: list[dict]) -> str:
     """One row per run: its sample economy, rates and per-rank figures, so an outlier shows."""
     head = ["arm", "seed", "steps", "final", "well-formed start/low/final", "gen/trained", "uses/trained",
             "replay by quarter", "gen tok/s", "train tok/s", "busy train", "idle T", "idle R",
-            "busy gen tok/s per rank", "CPU s per rank", "CPU share per rank", "threads per rank"]
+            "pool busy", "busy gen tok/s per rank", "CPU s per rank", "CPU share per rank", "threads per rank"]
     rows = []
     for r in runs:
         d = r.get("diagnostics") or {}
@@ -568,7 +580,8 @@ def runs_table(runs: list[dict]) -> str:
                      " ".join(_fmt(q, ".2f") for q in d.get("replay_quarters", [])) or "-",
                      _fmt(d.get("gen_tokens_per_s"), ".0f"), _fmt(d.get("train_tokens_per_s"), ".0f"),
                      _fmt(d.get("busy_train_tokens_per_s"), ".0f"), _fmt(d.get("idle_ratio/trainer"), ".1%"),
-                     _fmt(d.get("idle_ratio/rollout"), ".1%"), per_rank(ranks, busy_rate, ".0f"),
+                     _fmt(d.get("idle_ratio/rollout"), ".1%"), _fmt(d.get("pool_busy"), ".0%"),
+                     per_rank(ranks, busy_rate, ".0f"),
                      per_rank(ranks, rank_cpu_s, ".0f"), per_rank(ranks, rank_cpu_share, ".2f"),
                      per_rank(ranks, lambda x: x.get("threads"), "d")])
     return _text_table(head, rows)
@@ -585,8 +598,10 @@ def idle_lines(runs: list[dict]) -> list[str]:
     for arm, ds in by.items():
         t = [d.get("idle_ratio/trainer", math.nan) for d in ds]
         ro = [d.get("idle_ratio/rollout", math.nan) for d in ds]
+        busy = [d["pool_busy"] for d in ds if not math.isnan(d.get("pool_busy", math.nan))]
         out.append(f"idle ratio, {arm}: trainer {_fmt(_mean(t), '.1%')} ± {_fmt(_se(t), '.1%')}, rollout "
-                   f"{_fmt(_mean(ro), '.1%')} ± {_fmt(_se(ro), '.1%')} ({len(ds)} seeds)")
+                   f"{_fmt(_mean(ro), '.1%')} ± {_fmt(_se(ro), '.1%')} ({len(ds)} seeds)"
+                   + (f"; pool busy {_mean(busy):.0%} ± {_fmt(_se(busy), '.0%')}" if busy else ""))
     out += [f"paper (Fig. 14, VeRL-async → ReFlow, {k}): trainer {a[0]} % → {b[0]} %, rollout {a[1]} % → {b[1]} %"
             for k, (a, b) in PAPER_IDLE.items()]
     return out
@@ -654,6 +669,8 @@ def read_run(run_dir: Path, label: str, seed: int) -> dict:
         raise SystemExit(f"bench_learning: {run_dir}: no eval records in metrics.jsonl (run.eval_prompts = 0?)")
     is_keys = sorted({k for m in steps for k in m if k.startswith("trainer/rollout_is/")})
     diag = run_diagnostics(steps, summary)
+    ranks = rank_records(run_dir, summary)
+    diag["pool_busy"] = pool_busy_share(ranks, summary.get("train_seconds"))
     at = {m["step"]: m for m in steps if "step" in m}      # an eval point's gauges: its step's (none before step 1)
     curve_set = summary.get("eval/curve_set", "task")       # the set the snapshots were scored on (run.eval_curve)
     ev = f"eval/{curve_set}/"
@@ -676,7 +693,7 @@ def read_run(run_dir: Path, label: str, seed: int) -> dict:
             "samples_per_prompt": summary.get("eval/samples_per_prompt"),
             "throughput_tokens_per_s": diag["train_tokens_per_s"],
             "idle_ratio/trainer": diag["idle_ratio/trainer"], "idle_ratio/rollout": diag["idle_ratio/rollout"],
-            "diagnostics": diag, "ranks": rank_records(run_dir, summary)}
+            "diagnostics": diag, "ranks": ranks}
 
 
 def runs_budget(runs: list[dict], given: float | None, out: Path) -> float:

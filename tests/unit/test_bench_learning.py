@@ -249,6 +249,16 @@ def test_rank_profiles_and_flags_between_modes():
     assert "reflow" in text and "510" in text
 
 
+def test_the_pools_busy_share_counts_generating_and_training_seconds():
+    ranks = [{**rank(0), "generate_s": 0.0, "train_s": 30.0}, {**rank(1), "generate_s": 35.0, "train_s": 0.0},
+             {**rank(2), "generate_s": 10.0, "train_s": 5.0}]
+    assert bl.pool_busy_share(ranks, 40.0) == pytest.approx(80.0 / 120.0)
+    assert math.isnan(bl.pool_busy_share([], 40.0)) and math.isnan(bl.pool_busy_share(ranks, None))
+    runs = [{"mode": "sync", "seed": s, "diagnostics": {**bl.run_diagnostics(steps_of(4)), "pool_busy": b}}
+            for s, b in enumerate((0.6, 0.7))]
+    assert "pool busy 65% ± 5%" in bl.idle_lines(runs)[0]
+
+
 def test_ranks_not_held_to_their_cap_are_flagged():
     assert bc.cap_flags("x", [rank(0), rank(1)], 0.45) == []
     flags = bc.cap_flags("reflow seed 1", [rank(0, group=None), rank(1, cpu=70.0)], 0.45)
@@ -276,6 +286,7 @@ def test_a_run_directory_is_read_into_curves_diagnostics_and_ranks(tmp_path):
     assert r["step_curve"][1] == (10, pytest.approx(0.2))
     assert r["eval_prompts"] == 256 and r["samples_per_prompt"] == 4 and len(r["ranks"]) == 2
     assert r["diagnostics"]["steps"] == 20
+    assert math.isnan(r["diagnostics"]["pool_busy"])                           # records without busy seconds: -
     (run / "summary.json").write_text(json.dumps({"steps": 20}))
     (run / "ranks").mkdir()
     (run / "ranks" / "rank00001.json").write_text(json.dumps(rank(1)))
