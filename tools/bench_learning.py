@@ -79,7 +79,9 @@ last line): ``modes`` (per arm: ``final_reward``, ``final_reward_se``, ``final_r
 ``time_to_90pct_of_sync_gain_s`` (mean per-seed time, censored as above), ``time_over_sync`` (mean
 per-seed ratio to the reference at that level), and ``targets.<level>.<time|steps>``: ``per_seed``,
 ``censored``, ``censored_seeds``, ``mean``, ``se``, ``median`` and ``vs_ref``: ``pairs``, ``diff``,
-``diff_se``, ``diff_median``, ``ratio``, ``ratio_se``, ``ratio_median``), ``reference``, ``levels``,
+``diff_se``, ``diff_median``, ``ratio``, ``ratio_se``, ``ratio_median``, ``both_censored`` — the seeds
+censored in the arm and in the reference, whose ratio is about 1 by construction — and
+``ratio_without_both_censored``), ``reference``, ``levels``,
 ``gain_level``, ``sync_final_level``; with both a sync and a reflow arm ``reflow_over_sync_time`` (mean
 per-seed ratio of the times to sync's final reward) with ``_se`` and ``_median``,
 ``reflow_minus_sync_time_s`` with ``_se``, ``reflow_over_sync_steps`` with ``_se``, ``final_gap`` and
@@ -271,7 +273,14 @@ def summarise(curves: dict, budget: float, step_curves: dict | None = None, refe
             if mode != ref:
                 for axis, block in axes.items():
                     if axis in rows[ref]["targets"][name]:
-                        block["vs_ref"] = paired(block["per_seed"], rows[ref]["targets"][name][axis]["per_seed"])
+                        theirs = rows[ref]["targets"][name][axis]
+                        block["vs_ref"] = paired(block["per_seed"], theirs["per_seed"])
+                        # A pair censored on both sides has ratio ~1 by construction: name it, and the
+                        # mean ratio without such pairs beside the one with them.
+                        both = sorted(set(block["censored_seeds"]) & set(theirs["censored_seeds"]))
+                        rest = {sd: v for sd, v in block["per_seed"].items() if sd not in both}
+                        block["vs_ref"].update(both_censored=both,
+                                               ratio_without_both_censored=paired(rest, theirs["per_seed"])["ratio"])
             targets[name] = axes
         row["targets"] = targets
         gain = targets["sync_gain_90"]["time"]
@@ -302,6 +311,12 @@ def censored_lines(result: dict) -> list[str]:
                                  f"{block['censored']} of "
                                  f"{block['seeds']} seeds never reached it (seed(s) "
                                  f"{', '.join(map(str, block['censored_seeds']))}), counted at {where}")
+                both = block.get("vs_ref", {}).get("both_censored")
+                if both and axis == "time":
+                    lines.append(f"censored on both sides: {mode} and {result.get('reference')}, "
+                                 f"{level_name(name, result.get('reference'))}: seed(s) {', '.join(map(str, both))}, "
+                                 f"ratio ≈ 1 by construction; mean ratio without them "
+                                 f"{_fmt(block['vs_ref']['ratio_without_both_censored'], '.2f')}")
     return lines
 
 

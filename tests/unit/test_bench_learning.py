@@ -105,6 +105,11 @@ def test_censored_seeds_are_counted_at_the_budget_and_named():
     lines = bl.censored_lines(res)
     assert any(line.startswith("censored: sync, sync's final reward (time): 1 of 2 seeds") and "seed(s) 1" in line
                and "120 s" in line for line in lines)
+    # seed 1 never reaches 0.5 in either arm: its ratio is 1 by construction and is named
+    assert r["vs_ref"]["both_censored"] == [1] and r["vs_ref"]["ratio"] == pytest.approx((0.5 + 1.0) / 2)
+    assert r["vs_ref"]["ratio_without_both_censored"] == pytest.approx(0.5)
+    assert any(line.startswith("censored on both sides: reflow and sync, sync's final reward: seed(s) 1")
+               and line.endswith("without them 0.50") for line in lines)
 
 
 def test_the_step_axis_separates_algorithm_from_system():
