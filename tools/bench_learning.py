@@ -613,10 +613,10 @@ def idle_lines(runs: list[dict]) -> list[str]:
     for arm, ds in by.items():
         t = [d.get("idle_ratio/trainer", math.nan) for d in ds]
         ro = [d.get("idle_ratio/rollout", math.nan) for d in ds]
-        busy = [d["pool_busy"] for d in ds if not math.isnan(d.get("pool_busy", math.nan))]
+        busy = [d.get("pool_busy", math.nan) for d in ds]
         out.append(f"idle ratio, {arm}: trainer {_fmt(_mean(t), '.1%')} ± {_fmt(_se(t), '.1%')}, rollout "
                    f"{_fmt(_mean(ro), '.1%')} ± {_fmt(_se(ro), '.1%')} ({len(ds)} seeds)"
-                   + (f"; pool busy {_mean(busy):.0%} ± {_fmt(_se(busy), '.0%')}" if busy else ""))
+                   + ("" if math.isnan(_mean(busy)) else f"; pool busy {_mean(busy):.0%} ± {_fmt(_se(busy), '.0%')}"))
     out += [f"paper (Fig. 14, VeRL-async → ReFlow, {k}): trainer {a[0]} % → {b[0]} %, rollout {a[1]} % → {b[1]} %"
             for k, (a, b) in PAPER_IDLE.items()]
     return out
