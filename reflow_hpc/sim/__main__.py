@@ -68,6 +68,11 @@ def run_config(args) -> int:
         if r["mode"] == "reflow":
             print(f"{r['gpus']} GPUs: reflow trainer idle {r['idle_trainer']:.1%}, rollout idle {r['idle_rollout']:.1%}, "
                   f"replay fraction {r['replay_fraction']:.2f}, switches {r['switches']}")
+    for r in rows:
+        if r.get("prefill_share"):
+            sh = r["prefill_share"]
+            print(f"{r['gpus']} GPUs: {r['mode']} rollout time in prefill stalls: first {sh['first']:.1%}, "
+                  f"re-prefill after preemption or hand-over {sh['reprefill']:.1%}, after weight syncs {sh['sync']:.1%}")
     for line in idle_beside_paper(rows):
         print(line)
     if args.plot:

@@ -188,6 +188,11 @@ class SimWorker:
         self.idle_s = 0.0
         self.idle_since: float | None = None
         self.generated_tokens = 0.0
+        # Prefill stalls by cause: first prefills (prompts, tool observations), re-prefills after a
+        # preemption or a hand-over, and re-prefills of the requests a weight sync held.
+        self.prefill_s = 0.0
+        self.reprefill_s = 0.0
+        self.sync_reprefill_s = 0.0
         self.trainer_idle_since = 0.0
         self.activity_kind: str | None = None
         self.activity_since = 0.0
@@ -278,6 +283,7 @@ class SimWorker:
             return
         costs = self.sim.costs
         flops = 0.0
+        re_flops = 0.0
         s_now = self.kv_used()
         limit = self.kv_admit_limit
         while self.queue and self.n < self.cap:
@@ -287,7 +293,9 @@ class SimWorker:
                 break
             self.queue.popleft()
             if r.reprefill:
-                flops += costs.prefill_flops_of(ctx)
+                f = costs.prefill_flops_of(ctx)
+                flops += f
+                re_flops += f
                 r.reprefill = False
             elif r.generated == 0 and r.obs == 0:
                 if not r.prompt_cached:
@@ -298,7 +306,10 @@ class SimWorker:
             self.start_running(r)
             s_now += ctx
         if flops > 0.0:
-            self.resume_at = max(self.resume_at, now) + costs.prefill_time(self.gpus, flops)
+            t = costs.prefill_time(self.gpus, flops)
+            self.resume_at = max(self.resume_at, now) + t
+            self.reprefill_s += t * re_flops / flops
+            self.prefill_s += t * (1.0 - re_flops / flops)
 
     def enqueue(self, r: Request, now: float) -> None:
         """``r`` arrives at this engine (dispatch, resume, a returning tool call)."""
@@ -511,6 +522,12 @@ class Simulation:
     @property
     def preemptions(self) -> int:
         return sum(w.preemptions for w in self.workers.values())
+
+    def prefill_seconds(self) -> dict[str, float]:
+        """Prefill stalls summed over the workers, by cause (:class:`SimWorker`)."""
+        ws = self.workers.values()
+        return {"first": sum(w.prefill_s for w in ws), "reprefill": sum(w.reprefill_s for w in ws),
+                "sync": sum(w.sync_reprefill_s for w in ws)}
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -884,6 +901,7 @@ class Simulation:
                     if w.admitted:                    # held requests re-prefill under the new weights
                         flops = sum(self.costs.prefill_flops_of(r.context()) for r in w.admitted.values())
                         stall = self.costs.prefill_time(w.gpus, flops)
+                        w.sync_reprefill_s += stall
             w.trainer_idle_since = now
             w.unblock(now, stall)
             report = lambda t: ev.WeightsLoaded(wid, t, cmd.version, seconds, resumed)  # noqa: E731

@@ -72,6 +72,7 @@ def summarise(sim: Simulation) -> RunResult:
         "response_length": _mean(r["response_length/mean"] for r in measured),
         "generated_tokens_per_s": _mean(r["rollout/generated_tokens_per_s"] for r in measured),
         "preemptions": sim.preemptions, "partial_rollouts": c["partial_rollouts"],
+        "prefill_share": prefill_share(sim, records, place.colocated),
         "evicted_unused": c["buffer"].get("buffer/evicted_unused", 0),
         "switches": len(c["placements"]), "placements": c["placements"],
         "coverage_error": median_error(measured, "placement/coverage_predicted", "placement/coverage_observed"),
@@ -79,6 +80,16 @@ def summarise(sim: Simulation) -> RunResult:
         "simulated_s": sim.now, "events": sim.events,
     }
     return RunResult(summary, records, sim)
+
+
+def prefill_share(sim: Simulation, records: list[dict], colocated: bool) -> dict[str, float]:
+    """The rollout workers' time that prefill stalls took, by cause (``SimWorker.prefill_s`` and the
+    two re-prefill clocks), over the whole run: its rollout time is Σ step seconds × rollout workers.
+    Empty for a colocated pool, whose workers are not rollout workers between generation phases."""
+    rollout_s = sum(r["step_seconds"] * r.get("pool/rollouts", 0) for r in records)
+    if colocated or not rollout_s:
+        return {}
+    return {k: v / rollout_s for k, v in sim.prefill_seconds().items()}
 
 
 def median_error(records: list[dict], predicted: str, observed: str) -> float:

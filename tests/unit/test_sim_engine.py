@@ -113,6 +113,9 @@ def test_partial_rollouts_train_tokens_of_two_versions(mode):
     check_guarantees(res, obs)
     spans = [len({v for v, n in segs if n}) for _, _, shares in obs.trained for segs in shares]
     assert sum(1 for n in spans if n > 1) > 10
+    # The requests a sync held re-prefilled under the new weights, and that stall is accounted.
+    share = res.summary["prefill_share"]
+    assert 0.0 < share["sync"] < 1.0 and 0.0 < share["first"] < 1.0
 
 
 def test_processor_sharing_agrees_with_a_step_by_step_decode():
@@ -159,6 +162,8 @@ def test_kv_pressure_preempts_and_recomputes_without_losing_tokens():
                    config=QWEN3, gpus=4)
     assert roomy.summary["preemptions"] < res.summary["preemptions"]
     assert roomy.summary["throughput_tokens_per_s"] > res.summary["throughput_tokens_per_s"]
+    # Recomputing the preempted contexts is what the tight cache costs.
+    assert res.summary["prefill_share"]["reprefill"] > roomy.summary["prefill_share"]["reprefill"]
 
 
 def test_multi_turn_samples_wait_for_their_tools():
