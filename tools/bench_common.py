@@ -147,6 +147,8 @@ def se(xs) -> float:
 # ----------------------------------------------------------------------------------------------
 
 RANK_TOLERANCE = 0.25        # a difference between modes (or runs) above this is flagged
+DRIFT_TOLERANCE = 0.10       # machine speed around one arm's runs against the reference's: above it, the arms'
+                             # time ratios lean toward the arm that met the faster machine
 
 
 def rank_records(run_dir: Path, summary: dict) -> list[dict]:
@@ -246,7 +248,8 @@ def rank_profile(records: list[dict]) -> dict:
             "throttled_share": med(lambda r: r["throttled_s"] / r["wall_s"]
                                    if r.get("throttled_s") is not None and r.get("wall_s") else math.nan),
             "threads": med(lambda r: r.get("threads")),
-            "torch_threads": med(lambda r: r.get("torch_threads"))}
+            "torch_threads": med(lambda r: r.get("torch_threads")),
+            "machine_probe": med(lambda r: r.get("machine_tokens_per_cpu_s"))}
 
 
 FLAGGED_PROFILE = (("busy_gen_tokens_per_s", "per-rank busy generation rate", "{:.0f} tok/s"),
@@ -274,6 +277,25 @@ def mode_flags(profiles: dict[str, dict], reference: str | None = None, toleranc
             if mode != reference and abs(v / ref - 1) > tolerance:
                 flags.append(f"FLAG: {mode}: {what} {fmt.format(v)} differs by {v / ref - 1:+.0%} from "
                              f"{ref_name}'s {fmt.format(ref)} (more than {tolerance:.0%} at equal caps)")
+    return flags
+
+
+def drift_flags(profiles: dict[str, dict], reference: str | None, tolerance: float = DRIFT_TOLERANCE) -> list[str]:
+    """"FLAG: …" lines for every mode whose runs met a machine faster or slower than ``reference``'s runs did:
+    the median machine probe (tokens per CPU second, read before and after each run) differs by more than
+    ``tolerance``. Ranks are held to a CPU share, not to a speed: on a shared VM the same share buys
+    more or less work from one hour to the next, and a mode whose runs met the faster machine gains in
+    every time ratio. Run the modes in one invocation (seeds outermost) to spread the drift alike."""
+    ref = profiles.get(reference or "", {}).get("machine_probe", math.nan)
+    if ref is None or math.isnan(ref) or not ref:
+        return []
+    flags = []
+    for mode, p in profiles.items():
+        v = p.get("machine_probe", math.nan)
+        if mode != reference and v is not None and not math.isnan(v) and abs(v / ref - 1) > tolerance:
+            flags.append(f"FLAG: {mode}: the machine probe read {v:.0f} tokens per CPU second around its runs, "
+                         f"{v / ref - 1:+.0%} against {reference}'s {ref:.0f} (more than {tolerance:.0%}): its time "
+                         f"ratios lean {'toward' if v > ref else 'against'} it")
     return flags
 
 

@@ -64,7 +64,9 @@ each run (``machine_probe.json`` in its directory: the machine's own speed drift
 whose generation or training rate differs by more than 25 % from the median of its arm's runs is flagged (a line ``FLAG: …``), and so is an arm whose per-rank busy generation rate or thread
 count differs by more than 25 % from the reference's: every run is held to the same ``--cpu-quota``
 (equal caps), so a rank should generate as fast in every mode; so is a rank with no CPU cgroup or above
-its cap. A run made before the runtime kept rank records shows ``-`` there. Where the task has a form
+its cap; and so is an arm whose runs met a machine more than 10 % faster or slower than the reference's
+(the median probe): a CPU share buys more work in one hour than in another on a shared VM, so arms made
+in separate invocations, one after the other, compare machines as much as modes. A run made before the runtime kept rank records shows ``-`` there. Where the task has a form
 rule (``eval/<set>/well_formed``), each run's share of well-formed eval answers at its start, lowest
 and final snapshot is shown, and a run whose final share is more than 0.05 below its start is flagged:
 its late rewards then measure a broken answer form, not the mode's speed. The *pool's busy share* is the
@@ -126,7 +128,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_common import (busy_rate, cap_flags, median, mode_flags, per_rank, probed_run, rank_cpu_s,  # noqa: E402
+from bench_common import (busy_rate, cap_flags, drift_flags, median, mode_flags, per_rank, probed_run, rank_cpu_s,  # noqa: E402
                           rank_cpu_share, rank_profile, rank_records, run_arguments)
 from bench_modes import MODES, mode_sets  # noqa: E402
 
@@ -623,9 +625,10 @@ def idle_lines(runs: list[dict]) -> list[str]:
 
 
 def profiles_table(profiles: dict[str, dict]) -> str:
-    head = ["arm", "rank records", "busy gen tok/s", "gen tok/CPU s ÷ probe", "CPU share", "throttled", "threads",
-            "torch threads"]
+    head = ["arm", "rank records", "busy gen tok/s", "probe tok/CPU s", "gen tok/CPU s ÷ probe", "CPU share",
+            "throttled", "threads", "torch threads"]
     return _text_table(head, [[m, str(p["ranks"]), _fmt(p["busy_gen_tokens_per_s"], ".0f"),
+                               _fmt(p.get("machine_probe"), ".0f"),
                                _fmt(p["gen_speed_vs_machine"], ".2f"), _fmt(p["cpu_share"], ".2f"),
                                _fmt(p["throttled_share"], ".1%"), _fmt(p["threads"], ".0f"),
                                _fmt(p["torch_threads"], ".0f")] for m, p in profiles.items()])
@@ -866,6 +869,7 @@ def main(argv: list[str] | None = None) -> int:
                                       median([r.get("samples_per_prompt") for r in mine]))
     result["rank_profiles"] = rank_profiles(mine)
     flags = (run_flags(mine) + mode_flags(result["rank_profiles"], result.get("reference"))
+             + drift_flags(result["rank_profiles"], result.get("reference"))
              + format_flags(mine))
     for r in mine:
         flags += cap_flags(f"{r['mode']} seed {r['seed']}", r.get("ranks") or [], args.cpu_quota)

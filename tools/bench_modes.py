@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_common import cap_flags, mode_flags, rank_profile, ranks_table, run, run_arguments  # noqa: E402
+from bench_common import cap_flags, drift_flags, mode_flags, rank_profile, ranks_table, run, run_arguments  # noqa: E402
 
 from reflow_hpc.config import load  # noqa: E402
 from reflow_hpc.sim.report import table as text_table  # noqa: E402
@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     rank_runs = [(name, recs) for r in rows if r.get("system") == "reflow_hpc"
                  for name, recs in zip(r["runs"], r["ranks"])]
-    flags = mode_flags({m: r["rank_profile"] for m, r in by.items() if r["rank_profile"]["ranks"]}, "sync")
+    profiles = {m: r["rank_profile"] for m, r in by.items() if r["rank_profile"]["ranks"]}
+    flags = mode_flags(profiles, "sync") + drift_flags(profiles, "sync")
     for name, recs in rank_runs:
         flags += cap_flags(name, recs, args.cpu_quota)
     if any(recs for _, recs in rank_runs):

@@ -62,6 +62,15 @@ def test_a_ranks_tokens_per_cpu_second_is_read_against_the_machine_probe_around_
     assert bc.mode_flags(rows, "sync") == ["FLAG: reflow: generation tokens per CPU second ÷ the machine probe's 0.70 "
                                            "differs by -30% from sync's 1.00 (more than 25% at equal caps)"]
     assert "÷ probe" in bc.ranks_table([("bench-reflow", recs(700.0, 1000.0))])
+    # ...and so is the drift itself: sync's runs met a machine 40 % faster, which leans every time ratio its way.
+    rows["reflow"] = bc.rank_profile(recs(1000.0, 1000.0))
+    assert rows["sync"]["machine_probe"] == pytest.approx(1400.0)
+    assert bc.drift_flags(rows, "sync") == ["FLAG: reflow: the machine probe read 1000 tokens per CPU second around "
+                                            "its runs, -29% against sync's 1400 (more than 10%): its time ratios "
+                                            "lean against it"]
+    rows["reflow"] = bc.rank_profile(recs(1300.0, 1300.0))
+    assert bc.drift_flags(rows, "sync") == []                                  # -7 %: within 10 %
+    assert bc.drift_flags(rows, None) == [] and bc.drift_flags({}, "sync") == []
 
 
 def test_the_machine_probe_generates_with_the_runs_policy(tmp_path):
