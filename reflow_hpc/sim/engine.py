@@ -308,8 +308,9 @@ class SimWorker:
         if flops > 0.0:
             t = costs.prefill_time(self.gpus, flops)
             self.resume_at = max(self.resume_at, now) + t
-            self.reprefill_s += t * re_flops / flops
-            self.prefill_s += t * (1.0 - re_flops / flops)
+            re_t = t * re_flops / flops
+            self.reprefill_s += re_t
+            self.prefill_s += t - re_t
 
     def enqueue(self, r: Request, now: float) -> None:
         """``r`` arrives at this engine (dispatch, resume, a returning tool call)."""
