@@ -444,6 +444,15 @@ class RolloutConfig:
                                        "blocks); > 0 = as many blocks as fit, and stats report that capacity.", ge=0)
     vllm_gpu_memory_utilization: float = opt(0.9, "vllm engine on GPU: fraction of the device's memory vLLM may use "
                                                   "(weights, activations, KV cache).", gt=0, le=1)
+    sync_kv: str = opt("recompute", "What a weight sync does to the requests an engine is running. recompute: they "
+                                    "re-prefill their context under the new weights, so every token is what its "
+                                    "version produces after its context (exact; costs a prefill of every running "
+                                    "context at each sync). keep: they keep their KV cache and go on decoding "
+                                    "(in-flight weight update): later tokens attend to keys and values that earlier "
+                                    "weights computed, which their behaviour log-probs include, so the loss's "
+                                    "importance ratio corrects for it; the vllm engine then runs without prefix "
+                                    "caching, so no new request reads another's KV of earlier weights.",
+                       choices=("recompute", "keep"))
     vllm_enforce_eager: bool = opt(True, "vllm engine: run the model eagerly (no torch.compile, no CUDA graphs): "
                                          "starts in seconds; false trades a longer start for faster decoding on GPU.")
 

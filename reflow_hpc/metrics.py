@@ -23,7 +23,7 @@ Per-step names written by the coordinator (docs/api.md is the reference; every r
 | ``dynamic_sampling/over_cap`` | groups completed during the step that the fresh filter declined but that went through, the step's generation being over ``algorithm.max_gen_batches`` |
 | ``response_length/mean`` | mean generated response tokens of the batch's samples (tool observations excluded) |
 | ``sync_seconds`` | duration of the most recent weight sync (its slowest member) |
-| ``partial_rollouts`` | in-flight samples held at a sync and resumed under the new weights, so far |
+| ``partial_rollouts`` | in-flight samples held at a sync and resumed under the new weights (with ``rollout.sync_kv = "keep"``: that decoded on under them), so far |
 | ``rollout/generated_tokens_per_s`` | tokens the rollout workers generated in the step ÷ step wall time |
 | ``finish_reason/<reason>`` | finished samples so far by how generation ended (stop, length, turns, abort) |
 | ``samples/unused``, ``samples/replay`` | composition of the batch |

@@ -39,7 +39,10 @@ checked against. Rules it implements:
   prompt + partial response under the weights loaded since, and later tokens carry the new
   version. ``load_weights`` while requests run moves them back to the head of the queue (not
   counted as preemptions), so they too continue by re-prefill under the new weights: every token
-  is exactly what the weights of its version produce after the context it saw.
+  is exactly what the weights of its version produce after the context it saw. With
+  ``sync_kv="keep"`` (an in-flight weight update) they stay in their slots instead and go on
+  decoding under the new weights over the KV that earlier weights computed; each token's log-prob
+  is still the one it was sampled with, so the trainer's importance ratio accounts for it.
 - **Sleep.** ``sleep()`` moves running requests back to the queue (keeping their tokens), frees
   the KV cache and, on CUDA, moves the weights to CPU memory; ``wake()`` undoes it.
 """
@@ -90,14 +93,18 @@ class TorchEngine:
     """
 
     def __init__(self, model, *, max_concurrency: int = 32, kv_budget_tokens: int = 16384,
-                 max_model_len: int = 0, max_prefill_tokens: int = 4096, seed: int = 0, version: int = 0):
+                 max_model_len: int = 0, max_prefill_tokens: int = 4096, seed: int = 0, version: int = 0,
+                 sync_kv: str = "recompute"):
         check_supported(model.config)
+        if sync_kv not in ("recompute", "keep"):
+            raise ValueError(f"rollout.sync_kv = {sync_kv!r}: must be recompute or keep")
         max_model_len = check_limits(max_concurrency=max_concurrency, kv_budget_tokens=kv_budget_tokens,
                                      max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
                                      max_positions=model.config.max_position_embeddings)
         self.model = model.eval()
         self.version = int(version)
         self.seed = int(seed)
+        self.sync_kv = sync_kv
         self.max_concurrency = max_concurrency
         self.concurrency_cap = max_concurrency      # what may run at once: the scheduler lowers it under KV pressure
         self.kv_budget_tokens = kv_budget_tokens
@@ -163,7 +170,7 @@ class TorchEngine:
         """Build from the ``[rollout]`` config section; moves ``model`` to ``device``."""
         return cls(model.to(device), max_concurrency=cfg.max_concurrency, kv_budget_tokens=cfg.kv_budget_tokens,
                    max_model_len=cfg.max_model_len, max_prefill_tokens=cfg.max_prefill_tokens,
-                   seed=seed, version=version)
+                   seed=seed, version=version, sync_kv=cfg.sync_kv)
 
     # ----------------------------------------------------------------------------------------
     # Interface
@@ -217,8 +224,10 @@ class TorchEngine:
 
     def load_weights(self, state: Mapping[str, object] | Iterable[tuple[str, object]], version: int) -> None:
         """Copy tensors into the model in place (HF ``state_dict`` names; any subset, any bucket
-        order) and set the version of tokens sampled from now on."""
-        self._requeue_running()
+        order) and set the version of tokens sampled from now on. Running requests re-prefill under
+        them, or with ``sync_kv="keep"`` keep their KV and decode on."""
+        if self.sync_kv == "recompute":
+            self._requeue_running()
         targets = dict(self.model.named_parameters(remove_duplicate=False))
         targets.update(self.model.named_buffers(remove_duplicate=False))
         items = state.items() if isinstance(state, Mapping) else state

@@ -44,7 +44,10 @@ tests (``tests/helpers/engine_conformance.py``). Rules it implements:
   new weights and its later tokens carry the new version. Tensors that vLLM fuses into one layer
   (q/k/v, gate/up) must come in the same call; a layer whose tensors are incomplete is left as it
   was and the call then raises. A tied name (``lm_head.weight`` beside tied embeddings) is
-  skipped: vLLM shares the embedding's tensor, which the trainer's weight sync sends.
+  skipped: vLLM shares the embedding's tensor, which the trainer's weight sync sends. With
+  ``sync_kv="keep"`` (an in-flight weight update) the requests inside vLLM stay there and decode on
+  over the KV that earlier weights computed, and vLLM runs without prefix caching: a cached block
+  would otherwise hand KV of earlier weights to requests admitted after the load.
 - **Partial rollouts.** ``abort_all`` returns every unfinished request with its tokens, log-probs
   and versions (finish reason "abort"; ones that already ended keep theirs) and aborts them in
   vLLM, leaving the engine empty.
@@ -172,7 +175,7 @@ class VllmEngine:
     def __init__(self, model_path: str | os.PathLike, *, max_concurrency: int = 32, kv_budget_tokens: int = 16384,
                  max_model_len: int = 0, max_prefill_tokens: int = 4096, seed: int = 0, version: int = 0,
                  dtype: str = "float32", kv_cache_gb: float = 0.0, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = True, device: str = "cpu", tp: int = 1):
+                 enforce_eager: bool = True, device: str = "cpu", tp: int = 1, sync_kv: str = "recompute"):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(model_path)
@@ -184,6 +187,9 @@ class VllmEngine:
                                      max_positions=hf_config.max_position_embeddings)
         if dtype not in _DTYPES.values():
             raise ValueError(f"model.dtype = {dtype!r}: must be one of {', '.join(_DTYPES.values())}")
+        if sync_kv not in ("recompute", "keep"):
+            raise ValueError(f"rollout.sync_kv = {sync_kv!r}: must be recompute or keep")
+        self.sync_kv = sync_kv
         self.version = int(version)
         self.seed = int(seed)
         self.max_concurrency = max_concurrency
@@ -211,7 +217,7 @@ class VllmEngine:
             max_num_batched_tokens=min(max_prefill_tokens + max_concurrency, max_concurrency * max_model_len),
             logprobs_mode="processed_logprobs", max_logprobs=1, enforce_eager=enforce_eager,
             async_scheduling=False,     # a step's tokens come back from that step: versions stay exact
-            enable_prefix_caching=True, disable_log_stats=False, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=sync_kv == "recompute", disable_log_stats=False, gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=self._sleep_mode, tensor_parallel_size=self.tp,
             distributed_executor_backend="external_launcher" if self.tp > 1 else None)
         config = args.create_engine_config()
@@ -255,7 +261,7 @@ class VllmEngine:
                      max_model_len=cfg.max_model_len, max_prefill_tokens=cfg.max_prefill_tokens, seed=seed,
                      version=version, dtype=dtype, kv_cache_gb=cfg.vllm_kv_cache_gb,
                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                     enforce_eager=cfg.vllm_enforce_eager, device=str(device), tp=tp)
+                     enforce_eager=cfg.vllm_enforce_eager, device=str(device), tp=tp, sync_kv=cfg.sync_kv)
         engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version)
         return engine
 
@@ -344,10 +350,12 @@ class VllmEngine:
 
     def load_weights(self, state: Mapping[str, object] | Iterable[tuple[str, object]], version: int) -> None:
         """Load tensors (Hugging Face names; whole vLLM layers, any order) into the model vLLM runs, in
-        place; running requests re-prefill under them and their later tokens carry ``version``."""
+        place; running requests re-prefill under them (or with ``sync_kv="keep"`` decode on) and their
+        later tokens carry ``version``."""
         items = state.items() if isinstance(state, Mapping) else state
-        # Requests inside vLLM go back to the queue first: they re-prefill under the new weights.
-        self._requeue_live()
+        keep = self.sync_kv == "keep"
+        if not keep:      # requests inside vLLM go back to the queue first: they re-prefill under the new weights
+            self._requeue_live()
         problems: list[str] = []
         pending: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -377,7 +385,7 @@ class VllmEngine:
             missing = sorted(self._layers[layer] - self._tied - set(got))
             problems.append(f"load_weights: {', '.join(sorted(got))} without {', '.join(missing)}: vLLM loads them "
                             f"into one layer ({layer}), so they must come in the same call; that layer kept its weights")
-        if not self._llm.reset_prefix_cache():      # cached blocks hold KV of the old weights
+        if not keep and not self._llm.reset_prefix_cache():      # cached blocks hold KV of the old weights
             raise RuntimeError("vllm engine: the prefix cache could not be reset after a weight load")
         if problems:
             raise ValueError(problems[0])

@@ -143,7 +143,7 @@ class WeightsLoaded:
     version: int
     seconds: float
     bytes: int
-    resumed: int                    # in-flight samples held and resumed (partial rollouts)
+    resumed: int                    # in-flight samples continued under the new weights (partial rollouts)
 
 
 @dataclass

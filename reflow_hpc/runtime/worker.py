@@ -454,9 +454,14 @@ class Worker:
             self.trainer.join_weight_gather()
         else:
             wsync = self._weight_sync()
-            resumed = self.runner.interrupt()
-            self.engine.load_weights(wsync.receive(), cmd.version)
-            self.runner.resume()
+            if self.cfg.rollout.sync_kv == "keep":           # in-flight update: requests keep their KV
+                st = self.engine.stats()
+                resumed = st.running + st.queued
+                self.engine.load_weights(wsync.receive(), cmd.version)
+            else:
+                resumed = self.runner.interrupt()
+                self.engine.load_weights(wsync.receive(), cmd.version)
+                self.runner.resume()
             nbytes = wsync.bytes
         self.rt.send(WeightsLoaded(self.rank, cmd.version, time.monotonic() - t0, nbytes, resumed))
         self.trainer_idle_since = time.monotonic()        # broadcasting is work, not waiting

@@ -34,7 +34,8 @@ Tool calls (as ``rollout/episodes.py``)
 Versions and partial rollouts
     An engine generates with the version of the last sync it completed. At a split-pool ``SyncWeights`` the
     in-flight requests are held (their tokens so far belong to the old version), the weights load, and
-    the requests resume under the new version after re-prefilling their contexts. A worker that leaves
+    the requests resume under the new version after re-prefilling their contexts (with
+    ``rollout.sync_kv = "keep"`` they keep their KV and decode on: the load is the only stall). A worker that leaves
     rollout at a ``Switch`` hands its in-flight requests over; the ``Resume`` that follows moves them,
     tokens and versions intact, to another worker, where they re-prefill. Each sample keeps its tokens
     as ``(version, count)`` segments, which the trainer checks against the mode's guarantee token by
@@ -899,7 +900,7 @@ class Simulation:
                 w.version = cmd.version
                 if cmd.src is not None:
                     resumed = len(w.live)
-                    if w.admitted:                    # held requests re-prefill under the new weights
+                    if w.admitted and self.cfg.rollout.sync_kv == "recompute":   # held requests re-prefill
                         flops = sum(self.costs.prefill_flops_of(r.context()) for r in w.admitted.values())
                         stall = self.costs.prefill_time(w.gpus, flops)
                         w.sync_reprefill_s += stall

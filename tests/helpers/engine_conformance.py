@@ -295,6 +295,66 @@ def check_weight_load_while_requests_run(h: Harness, new: dict) -> None:
         assert_matches_trainer(c, 0.9, models)
 
 
+@torch.no_grad()
+def continued(old: torch.nn.Module, new: torch.nn.Module, c: Completion, kept: int) -> np.ndarray:
+    """Log-probs of the response tokens after the first ``kept`` when ``old`` computed the KV of every token
+    before them and ``new`` goes on from there over that cache: an in-flight weight update's referee."""
+    from reflow_hpc.train.loss import token_logprobs
+
+    ids = torch.from_numpy(np.concatenate([c.prompt, c.response]).astype(np.int64))[None]
+    cut = len(c.prompt) + kept - 1        # the KV the engine held: every token but the last sampled one
+    cache = old(ids[:, :cut], use_cache=True).past_key_values
+    logits = new(ids[:, cut:-1], past_key_values=cache).logits
+    logp, _ = token_logprobs(logits, ids[:, cut + 1:], 1.0)
+    return logp[0].numpy()
+
+
+def check_inflight_weight_load_keeps_kv(h: Harness, new: dict) -> None:
+    """sync_kv = "keep": a load between steps leaves running requests where they are. Their later tokens
+    are what the new weights give over the KV the old weights computed (not a re-prefill: that would
+    differ), a request admitted after the load is the new weights' alone, and reloading the weights a
+    run already holds leaves every token as an undisturbed run samples it."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24)
+    rng = np.random.default_rng(5)
+    prompts = [prompt(rng, h.vocab, 4 + i) for i in range(3)]
+
+    def generate(load: dict | None) -> dict[int, Completion]:
+        engine = h.reset(h.base, 0)
+        engine.set_concurrency_cap(2)
+        for i, p in enumerate(prompts):
+            engine.add(Request(i, p, sp))
+        if load is None:
+            return run(engine)
+        # The mode is flipped on the engine at hand (vLLM allows one engine per process); its prefix
+        # cache, which keep turns off at construction, cannot matter here: no two prompts share a block.
+        engine.sync_kv = "keep"
+        try:
+            for _ in range(8):
+                assert engine.step() == []
+            engine.load_weights(load, version=1)
+            return run(engine)
+        finally:
+            engine.sync_kv = "recompute"
+
+    out, same, plain = generate(new), generate(h.base), generate(None)
+    old_m, new_m = h.referee(h.base), h.referee(new)
+    stale = 0.0
+    for i in (0, 1):
+        c = out[i]
+        assert len(c.response) == 24 and (c.versions[:8] == 0).all() and (c.versions[8:] == 1).all()
+        err = float(np.abs(recompute(old_m, c, 1.0)[:8] - c.logprobs[:8]).max())
+        assert err < TOL, f"request {i}: version-0 log-prob error {err:.2e}"
+        err = float(np.abs(continued(old_m, new_m, c, 8) - c.logprobs[8:]).max())
+        assert err < TOL, f"request {i}: log-probs after the load are not the new weights over the kept KV ({err:.2e})"
+        stale = max(stale, float(np.abs(recompute(new_m, c, 1.0)[8:] - c.logprobs[8:]).max()))
+    assert stale > 10 * TOL, "a re-prefill gives the same log-probs: the check would not see the KV being kept"
+    assert (out[2].versions == 1).all()
+    assert_matches_trainer(out[2], 1.0, {1: new_m})
+    for i, c in same.items():
+        np.testing.assert_array_equal(c.response, plain[i].response)
+        np.testing.assert_allclose(c.logprobs, plain[i].logprobs, atol=TOL)
+
+
 def check_loaded_weights_are_the_weights_used(h: Harness, other: dict) -> None:
     """After loading other weights, greedy output is the argmax path of a fresh model holding them,
     and its log-probs match it (and not the old weights)."""
@@ -400,6 +460,7 @@ def check_bad_input_gets_a_one_line_error(h: Harness) -> None:
 
 ALL_CHECKS = ("check_completions_valid_and_reproducible", "check_logprobs_match_the_trainer",
               "check_abort_then_resume_across_a_weight_load", "check_weight_load_while_requests_run",
+              "check_inflight_weight_load_keeps_kv",
               "check_loaded_weights_are_the_weights_used", "check_prefix_counts_towards_max_new_tokens",
               "check_cap_and_stats", "check_bad_input_gets_a_one_line_error")
 
@@ -424,6 +485,9 @@ class ConformanceTests:
 
     def test_weight_load_while_requests_run(self, harness, new_weights):
         check_weight_load_while_requests_run(harness, new_weights)
+
+    def test_inflight_weight_load_keeps_kv(self, harness, new_weights):
+        check_inflight_weight_load_keeps_kv(harness, new_weights)
 
     def test_loaded_weights_are_the_weights_used(self, harness):
         check_loaded_weights_are_the_weights_used(harness, perturbed(harness.base, scale=0.1, seed=2))

@@ -52,10 +52,10 @@ def shard_samples(run_dir: Path) -> list:
     return out
 
 
-def check_logprobs_by_version(run_dir: Path, policy_dir: str, samples: list, temperature: float = 1.0) -> int:
-    """Tokens of each version are exactly what that version's weights produce: log-probs recomputed with
-    the per-step checkpoints (checkpoint.every_steps = 1, keep_last = 0) match the recorded ones.
-    Returns how many (sample, version) pairs were checked."""
+def logprob_errors_by_version(run_dir: Path, policy_dir: str, samples: list, temperature: float = 1.0) -> dict:
+    """{(sample id, version): largest difference between the recorded log-prob of a token of that version
+    and what that version's weights give over the whole context in one forward pass}: per-step
+    checkpoints (checkpoint.every_steps = 1, keep_last = 0) hold the versions."""
     import torch
 
     from reflow_hpc.policy import load_policy
@@ -63,7 +63,7 @@ def check_logprobs_by_version(run_dir: Path, policy_dir: str, samples: list, tem
     from reflow_hpc.train.loss import token_logprobs
 
     model, _ = load_policy(policy_dir, "float32", "cpu")
-    checked = 0
+    errors = {}
     for t in samples:
         for v in sorted(set(t.versions[t.versions >= 0].tolist())):
             if v == 0:
@@ -75,7 +75,14 @@ def check_logprobs_by_version(run_dir: Path, policy_dir: str, samples: list, tem
                 logits = model(input_ids=ids).logits[0, :-1]
                 logp, _ = token_logprobs(logits, ids[0, 1:], temperature)
             mask = t.versions[1:] == v
-            err = float(np.max(np.abs(t.logprobs[1:][mask] - logp.numpy()[mask])))
-            assert err < 1e-4, (t.sample_id, v, err)
-            checked += 1
-    return checked
+            errors[(t.sample_id, v)] = float(np.max(np.abs(t.logprobs[1:][mask] - logp.numpy()[mask])))
+    return errors
+
+
+def check_logprobs_by_version(run_dir: Path, policy_dir: str, samples: list, temperature: float = 1.0) -> int:
+    """Tokens of each version are exactly what that version's weights produce: log-probs recomputed with
+    the per-step checkpoints match the recorded ones. Returns how many (sample, version) pairs were checked."""
+    errors = logprob_errors_by_version(run_dir, policy_dir, samples, temperature)
+    for key, err in errors.items():
+        assert err < 1e-4, (*key, err)
+    return len(errors)

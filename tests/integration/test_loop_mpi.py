@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from conftest import ROOT, leftover_processes
-from loop_common import check_logprobs_by_version, run, run_argv, shard_samples, terminal
+from loop_common import check_logprobs_by_version, logprob_errors_by_version, run, run_argv, shard_samples, terminal
 from reflow_hpc.metrics import read_jsonl
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -92,6 +92,27 @@ def test_partial_rollout_spans_a_sync_under_new_weights(tmp_path, policy_dir):
     samples = [t for t in shard_samples(run_dir) if len(set(t.versions[t.versions >= 0].tolist())) > 1]
     assert samples, "no sample carries tokens of two versions"
     assert check_logprobs_by_version(run_dir, policy_dir, samples[:4]) >= 2
+
+
+def test_inflight_weight_update_keeps_the_kv_of_running_requests(tmp_path, policy_dir):
+    """rollout.sync_kv = keep: the requests a sync finds running decode on under the new weights over the KV
+    of the old ones. A sample's first version is exact; its later tokens are not what a re-prefill under
+    their version gives, and the trainer takes them (the mode's guarantee is on the tokens' versions)."""
+    steps = 4
+    run_dir, metrics, summary, _ = run(
+        tmp_path, policy_dir, "reflow.mode=fully_async", "reflow.sigma=0", f"trainer.steps={steps}", "trainer.batch_size=16",
+        "algorithm.group_size=4", "checkpoint.every_steps=1", "checkpoint.keep_last=0", "reflow.sync_every=1",
+        "rollout.max_new_tokens=96", "rollout.max_concurrency=32", "reflow.b_max=1024", "reflow.delta=2",
+        "rollout.sync_kv=keep", "trainer.lr=1e-3")      # a large step, so that stale KV shows in the log-probs
+    partials = [m["partial_rollouts"] for m in metrics]
+    assert all(b > a for a, b in zip(partials, partials[1:])), f"a sync found nothing running: {partials}"
+    samples = [t for t in shard_samples(run_dir) if len(set(t.versions[t.versions >= 0].tolist())) > 1]
+    assert samples, "no sample carries tokens of two versions"
+    errors = logprob_errors_by_version(run_dir, policy_dir, samples[:6])
+    first = {sid: min(v for s, v in errors if s == sid) for sid, _ in errors}
+    assert all(err < 1e-4 for (sid, v), err in errors.items() if v == first[sid]), errors
+    later = [err for (sid, v), err in errors.items() if v != first[sid]]
+    assert max(later) > 1e-3, f"every later token is what a re-prefill gives: the KV was not kept ({later})"
 
 
 def test_usr2_checkpoints_then_resume_continues_without_losing_anything(tmp_path, policy_dir):
