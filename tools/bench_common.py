@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -258,26 +259,35 @@ FLAGGED_PROFILE = (("busy_gen_tokens_per_s", "per-rank busy generation rate", "{
                    ("threads", "threads per rank", "{:.0f}"), ("torch_threads", "torch threads per rank", "{:.0f}"))
 
 
+def _off_reference(profiles: dict[str, dict], key: str, reference: str | None, tolerance: float,
+                   median_fallback: bool) -> Iterator[tuple[str, float, float, str]]:
+    """(mode, its value, the reference value, the reference's name) for every mode whose profile value ``key``
+    differs from ``reference``'s by more than ``tolerance``; without a reference value, the median over the
+    modes stands in when ``median_fallback``, else nothing is compared."""
+    values = {m: p.get(key, math.nan) for m, p in profiles.items()}
+    values = {m: v for m, v in values.items() if v is not None and not math.isnan(v)}
+    if reference in values:
+        ref, ref_name = values[reference], reference
+    elif median_fallback and len(values) >= 2:
+        ref, ref_name = median(values.values()), "the median over the modes"
+    else:
+        return
+    if not ref:
+        return
+    for mode, v in values.items():
+        if mode != reference and abs(v / ref - 1) > tolerance:
+            yield mode, v, ref, ref_name
+
+
 def mode_flags(profiles: dict[str, dict], reference: str | None = None, tolerance: float = RANK_TOLERANCE) -> list[str]:
     """"FLAG: …" lines for every mode whose per-rank busy generation rate or thread counts differ by more
     than ``tolerance`` from ``reference``'s (default: the median over the modes). The modes of one
     benchmark run at equal caps (the same ``resources.cpu_quota`` on every rank), so at equal caps a
     rank should generate as fast in any mode; its CPU share may differ (a rank that waits uses less)."""
-    flags = []
-    for key, what, fmt in FLAGGED_PROFILE:
-        values = {m: p.get(key, math.nan) for m, p in profiles.items()}
-        values = {m: v for m, v in values.items() if v is not None and not math.isnan(v)}
-        if len(values) < 2:
-            continue
-        ref_name = reference if reference in values else "the median over the modes"
-        ref = values[reference] if reference in values else median(values.values())
-        if not ref:
-            continue
-        for mode, v in values.items():
-            if mode != reference and abs(v / ref - 1) > tolerance:
-                flags.append(f"FLAG: {mode}: {what} {fmt.format(v)} differs by {v / ref - 1:+.0%} from "
-                             f"{ref_name}'s {fmt.format(ref)} (more than {tolerance:.0%} at equal caps)")
-    return flags
+    return [f"FLAG: {mode}: {what} {fmt.format(v)} differs by {v / ref - 1:+.0%} from "
+            f"{ref_name}'s {fmt.format(ref)} (more than {tolerance:.0%} at equal caps)"
+            for key, what, fmt in FLAGGED_PROFILE
+            for mode, v, ref, ref_name in _off_reference(profiles, key, reference, tolerance, True)]
 
 
 def drift_flags(profiles: dict[str, dict], reference: str | None, tolerance: float = DRIFT_TOLERANCE) -> list[str]:
@@ -286,17 +296,10 @@ def drift_flags(profiles: dict[str, dict], reference: str | None, tolerance: flo
     ``tolerance``. Ranks are held to a CPU share, not to a speed: on a shared VM the same share buys
     more or less work from one hour to the next, and a mode whose runs met the faster machine gains in
     every time ratio. Run the modes in one invocation (seeds outermost) to spread the drift alike."""
-    ref = profiles.get(reference or "", {}).get("machine_probe", math.nan)
-    if ref is None or math.isnan(ref) or not ref:
-        return []
-    flags = []
-    for mode, p in profiles.items():
-        v = p.get("machine_probe", math.nan)
-        if mode != reference and v is not None and not math.isnan(v) and abs(v / ref - 1) > tolerance:
-            flags.append(f"FLAG: {mode}: the machine probe read {v:.0f} tokens per CPU second around its runs, "
-                         f"{v / ref - 1:+.0%} against {reference}'s {ref:.0f} (more than {tolerance:.0%}): its time "
-                         f"ratios lean {'toward' if v > ref else 'against'} it")
-    return flags
+    return [f"FLAG: {mode}: the machine probe read {v:.0f} tokens per CPU second around its runs, "
+            f"{v / ref - 1:+.0%} against {ref_name}'s {ref:.0f} (more than {tolerance:.0%}): its time "
+            f"ratios lean {'toward' if v > ref else 'against'} it"
+            for mode, v, ref, ref_name in _off_reference(profiles, "machine_probe", reference, tolerance, False)]
 
 
 def cap_flags(name: str, records: list[dict], cpu_quota: float, tolerance: float = RANK_TOLERANCE) -> list[str]:

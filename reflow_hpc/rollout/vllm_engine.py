@@ -217,7 +217,8 @@ class VllmEngine:
             max_num_batched_tokens=min(max_prefill_tokens + max_concurrency, max_concurrency * max_model_len),
             logprobs_mode="processed_logprobs", max_logprobs=1, enforce_eager=enforce_eager,
             async_scheduling=False,     # a step's tokens come back from that step: versions stay exact
-            enable_prefix_caching=sync_kv == "recompute", disable_log_stats=False, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=sync_kv == "recompute", disable_log_stats=False,
+            gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=self._sleep_mode, tensor_parallel_size=self.tp,
             distributed_executor_backend="external_launcher" if self.tp > 1 else None)
         config = args.create_engine_config()
@@ -385,7 +386,7 @@ class VllmEngine:
             missing = sorted(self._layers[layer] - self._tied - set(got))
             problems.append(f"load_weights: {', '.join(sorted(got))} without {', '.join(missing)}: vLLM loads them "
                             f"into one layer ({layer}), so they must come in the same call; that layer kept its weights")
-        if not keep and not self._llm.reset_prefix_cache():      # cached blocks hold KV of the old weights
+        if not keep and not self._llm.reset_prefix_cache():     # cached blocks hold KV of the old weights
             raise RuntimeError("vllm engine: the prefix cache could not be reset after a weight load")
         if problems:
             raise ValueError(problems[0])
