@@ -62,6 +62,7 @@ def main() -> None:
                            vocab=model.config.vocab_size)
     extra = {"check_abort_then_resume_across_a_weight_load": (conf.perturbed(base, scale=0.05, seed=1),),
              "check_weight_load_while_requests_run": (conf.perturbed(base, scale=0.05, seed=1),),
+             "check_inflight_weight_load_keeps_kv": (conf.perturbed(base, scale=0.05, seed=1),),
              "check_loaded_weights_are_the_weights_used": (conf.perturbed(base, scale=0.1, seed=2),)}
     failed = {}
     worst = None
