@@ -8,6 +8,7 @@ engine are interchangeable behind it:
 | ``add(request)``             | ``LLMEngine.add_request(request_id, TokensPrompt, SamplingParams)`` |
 | ``step() -> [Completion]``   | ``LLMEngine.step()`` → finished ``RequestOutput``s           |
 | ``abort_all() -> [Completion]`` | ``abort_request(ids)`` after reading the partial outputs  |
+| ``abort(ids)``               | ``abort_request(ids)``: those requests end, unreported       |
 | ``load_weights(state, v)``   | ``collective_rpc("load_weights")`` / ``model.load_weights(iter)`` |
 | ``sleep()`` / ``wake()``     | ``LLMEngine.sleep(level)`` / ``wake_up()``                   |
 | ``set_concurrency_cap(n)``   | the scheduler's ``max_num_seqs`` in force                    |
@@ -163,6 +164,8 @@ class Engine(Protocol):
     def step(self) -> list[Completion]: ...
 
     def abort_all(self) -> list[Completion]: ...
+
+    def abort(self, request_ids: Iterable[int]) -> None: ...
 
     def load_weights(self, state: Mapping[str, "object"] | Iterable[tuple[str, "object"]], version: int) -> None: ...
 

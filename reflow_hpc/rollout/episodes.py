@@ -110,7 +110,6 @@ class EpisodeRunner:
                                        tuple(dict.fromkeys(sampling.stop_ids + self.stop_ids)), sampling.seed)
         self._live: dict[int, _Sample] = {}
         self._held: list[Completion] = []
-        self._cancelled: set[int] = set()
         self.turns_completed = 0
         self.failed: list[tuple[int, str]] = []   # (sample id, error) of samples whose environment failed
 
@@ -126,13 +125,14 @@ class EpisodeRunner:
         self.engine.add(Request(sample_id, tokens, self.sampling))
 
     def cancel(self, sample_ids: Any) -> None:
-        """These samples ended at the coordinator: finish them silently (the engine may still run them)."""
-        for sid in sample_ids:
-            s = self._live.get(sid)
-            if s is not None and s.pending is not None:
-                self._drop(sid)              # no engine request: gone now (its job's result is dropped)
-            elif s is not None:
-                self._cancelled.add(sid)
+        """These samples ended at the coordinator: their engine requests end now, unreported, and a tool call
+        or reward still running for one of them is dropped when it returns."""
+        gone = [sid for sid in sample_ids if sid in self._live]
+        running = [sid for sid in gone if self._live[sid].pending is None]
+        if running:
+            self.engine.abort(running)
+        for sid in gone:
+            self._drop(sid)
 
     # -- work ------------------------------------------------------------------------------------
 
@@ -188,10 +188,8 @@ class EpisodeRunner:
         """Continue held requests under the weights the engine holds now."""
         held, self._held = self._held, []
         for c in held:
-            if c.request_id in self._cancelled:
-                self._drop(c.request_id)
-                continue
-            self.engine.add(c.as_request(self.sampling))
+            if c.request_id in self._live:
+                self.engine.add(c.as_request(self.sampling))
 
     def hand_off(self) -> list[Trajectory]:
         """Stop generating and return every sample in flight as a partial trajectory: prompt and response
@@ -202,7 +200,7 @@ class EpisodeRunner:
         waiting = [(s.pending.completion, s.pending.kind) for s in self._live.values() if s.pending is not None]
         for c, pending in [(c, None) for c in held] + waiting:
             s = self._live.pop(c.request_id, None)
-            if s is None or c.request_id in self._cancelled:
+            if s is None:
                 continue                     # ended at the coordinator meanwhile: nothing to hand over
             p = len(s.prompt_tokens)
             ep = s.episode                   # a pending turn's: the state before its call (the copy is dropped)
@@ -217,7 +215,6 @@ class EpisodeRunner:
                 versions=np.concatenate([np.full(p, NOT_GENERATED, np.int32), c.versions]),
                 prompt_len=p, finish_reason="abort", owner=self.owner, meta={"handoff": state}))
         self._live.clear()
-        self._cancelled.clear()
         return out
 
     def resume_partial(self, partial: Trajectory, split: str = "train") -> None:
@@ -253,21 +250,16 @@ class EpisodeRunner:
         ids = sorted(self._live)
         self._live.clear()
         self._held.clear()
-        self._cancelled.clear()
         return ids
 
     # -- internals -----------------------------------------------------------------------------
 
     def _drop(self, sample_id: int) -> None:
         self._live.pop(sample_id, None)
-        self._cancelled.discard(sample_id)
 
     def _on_turn_end(self, c: Completion) -> Trajectory | None:
         s = self._live.get(c.request_id)
         if s is None:
-            return None
-        if c.request_id in self._cancelled:
-            self._drop(c.request_id)
             return None
         self.turns_completed += 1
         self._submit_turn(s, c, self._turn_text(s, c))
@@ -300,9 +292,6 @@ class EpisodeRunner:
         if s is None or s.pending is not p:
             return None                      # timed out, cancelled or handed over meanwhile: dropped
         s.pending = None
-        if s.sample_id in self._cancelled:
-            self._drop(s.sample_id)
-            return None
         if job.error is not None:
             raise job.error
         if p.kind == "reward":

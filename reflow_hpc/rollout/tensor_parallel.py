@@ -9,7 +9,7 @@ which vLLM lays its groups when every rank builds its engine at set-up. A block'
 leader is a rollout worker the coordinator knows) or trains (its engines sleep).
 
 - :class:`LeaderEngine` wraps the leader's engine: every call that changes the engine (``add``,
-  ``step``, ``abort_all``, ``load_weights``, ``load_own_weights``, ``sleep``, ``wake``,
+  ``step``, ``abort_all``, ``abort``, ``load_weights``, ``load_own_weights``, ``sleep``, ``wake``,
   ``set_concurrency_cap``) is sent to the followers before the leader makes it; reads (``stats``,
   ``has_unfinished``, ``version``) stay local, since every rank's engine holds the same state.
 - :class:`FollowerLink` is a follower's end: :meth:`FollowerLink.apply` makes the leader's next call on
@@ -83,6 +83,11 @@ class LeaderEngine:
     def abort_all(self) -> list:
         self._send(("abort_all",))
         return self.engine.abort_all()
+
+    def abort(self, request_ids) -> None:
+        ids = list(request_ids)
+        self._send(("abort", ids))
+        self.engine.abort(ids)
 
     def sleep(self) -> None:
         self._send(("sleep",))
@@ -170,6 +175,8 @@ class FollowerLink:
             self.engine.add(op[1])
         elif kind == "abort_all":
             self.engine.abort_all()
+        elif kind == "abort":
+            self.engine.abort(op[1])
         elif kind in ("sleep", "wake"):
             getattr(self.engine, kind)()
         elif kind == "set_concurrency_cap":

@@ -222,6 +222,19 @@ class TorchEngine:
         self._ids.clear()
         return out
 
+    def abort(self, request_ids: Iterable[int]) -> None:
+        """End these requests wherever they are (running, queued, or ended but not yet returned) without
+        returning them; ids not in the engine are ignored. The others run on undisturbed."""
+        ids = set(request_ids) & self._ids
+        if not ids:
+            return
+        for row in range(len(self._running) - 1, -1, -1):
+            if self._running[row].request_id in ids:
+                self._free(row)
+        self._queue = deque(s for s in self._queue if s.request_id not in ids)
+        self._ready = [c for c in self._ready if c.request_id not in ids]
+        self._ids -= ids
+
     def load_weights(self, state: Mapping[str, object] | Iterable[tuple[str, object]], version: int) -> None:
         """Copy tensors into the model in place (HF ``state_dict`` names; any subset, any bucket
         order) and set the version of tokens sampled from now on. Running requests re-prefill under

@@ -349,6 +349,21 @@ class VllmEngine:
         self._ids.clear()
         return out
 
+    def abort(self, request_ids: Iterable[int]) -> None:
+        """End these requests wherever they are (inside vLLM, queued here, or ended but not yet returned)
+        without returning them; ids not in the engine are ignored. The others run on."""
+        ids = set(request_ids) & self._ids
+        if not ids:
+            return
+        inside = [ext for ext, live in self._live.items() if live.request_id in ids]
+        if inside:
+            self._llm.abort_request(inside)
+            for ext in inside:
+                del self._live[ext]
+        self._queue = deque(r for r in self._queue if r.request_id not in ids)
+        self._ready = [c for c in self._ready if c.request_id not in ids]
+        self._ids -= ids
+
     def load_weights(self, state: Mapping[str, object] | Iterable[tuple[str, object]], version: int) -> None:
         """Load tensors (Hugging Face names; whole vLLM layers, any order) into the model vLLM runs, in
         place; running requests re-prefill under them (or with ``sync_kv="keep"`` decode on) and their

@@ -295,6 +295,27 @@ def check_weight_load_while_requests_run(h: Harness, new: dict) -> None:
         assert_matches_trainer(c, 0.9, models)
 
 
+def check_abort_ends_only_those_requests(h: Harness) -> None:
+    """abort(ids) ends a running and a queued request without returning them; the others run to their end
+    as the trainer would sample them, and ids the engine does not hold are ignored."""
+    engine = h.reset(h.base, 0)
+    engine.set_concurrency_cap(2)
+    rng = np.random.default_rng(6)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=20)
+    for i in range(4):
+        engine.add(Request(i, prompt(rng, h.vocab, 4 + i), sp))
+    for _ in range(5):
+        assert engine.step() == []
+    engine.abort([1, 3, 99])                  # 1 runs, 3 is queued behind the cap, 99 was never added
+    out = run(engine)
+    assert sorted(out) == [0, 2]
+    for c in out.values():
+        assert c.finish_reason == "length" and len(c.response) == 20
+        assert_matches_trainer(c, 1.0, {0: h.referee(h.base)})
+    engine.add(Request(1, prompt(rng, h.vocab, 4), sp))     # an aborted id may come back
+    assert sorted(run(engine)) == [1]
+
+
 @torch.no_grad()
 def continued(old: torch.nn.Module, new: torch.nn.Module, c: Completion, kept: int) -> np.ndarray:
     """Log-probs of the response tokens after the first ``kept`` when ``old`` computed the KV of every token
@@ -460,7 +481,7 @@ def check_bad_input_gets_a_one_line_error(h: Harness) -> None:
 
 ALL_CHECKS = ("check_completions_valid_and_reproducible", "check_logprobs_match_the_trainer",
               "check_abort_then_resume_across_a_weight_load", "check_weight_load_while_requests_run",
-              "check_inflight_weight_load_keeps_kv",
+              "check_inflight_weight_load_keeps_kv", "check_abort_ends_only_those_requests",
               "check_loaded_weights_are_the_weights_used", "check_prefix_counts_towards_max_new_tokens",
               "check_cap_and_stats", "check_bad_input_gets_a_one_line_error")
 
@@ -485,6 +506,9 @@ class ConformanceTests:
 
     def test_weight_load_while_requests_run(self, harness, new_weights):
         check_weight_load_while_requests_run(harness, new_weights)
+
+    def test_abort_ends_only_those_requests(self, harness):
+        check_abort_ends_only_those_requests(harness)
 
     def test_inflight_weight_load_keeps_kv(self, harness, new_weights):
         check_inflight_weight_load_keeps_kv(harness, new_weights)
