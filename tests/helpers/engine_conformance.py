@@ -233,18 +233,25 @@ def check_logprobs_match_the_trainer(h: Harness) -> float:
     return worst
 
 
+def mid_run(h: Harness, seed: int, n: int, sp: SamplingParams, steps: int) -> Engine:
+    """An engine at the base weights (version 0) and a cap of 2, given ``n`` requests of random prompts
+    (4 + i tokens, from ``seed``) and stepped ``steps`` times, none of them finished yet."""
+    engine = h.reset(h.base, 0)
+    engine.set_concurrency_cap(2)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        engine.add(Request(i, prompt(rng, h.vocab, 4 + i), sp))
+    for _ in range(steps):
+        assert engine.step() == []
+    return engine
+
+
 def check_abort_then_resume_across_a_weight_load(h: Harness, new: dict) -> None:
     """abort_all returns partials and empties the engine; after load_weights the continuations keep
     their prefix (tokens, log-probs, version 0) and their new tokens carry version 1, each matching
     the trainer under the weights of its version."""
-    engine = h.reset(h.base, 0)
-    engine.set_concurrency_cap(2)
-    rng = np.random.default_rng(2)
     sp = SamplingParams(temperature=1.0, max_new_tokens=30)
-    for i in range(3):
-        engine.add(Request(i, prompt(rng, h.vocab, 4 + i), sp))
-    for _ in range(8):
-        assert engine.step() == []
+    engine = mid_run(h, 2, 3, sp, 8)
     partials = engine.abort_all()
     s = engine.stats()
     assert not engine.has_unfinished() and s.running == 0 and s.queued == 0 and s.kv_tokens_used == 0
@@ -298,21 +305,15 @@ def check_weight_load_while_requests_run(h: Harness, new: dict) -> None:
 def check_abort_ends_only_those_requests(h: Harness) -> None:
     """abort(ids) ends a running and a queued request without returning them; the others run to their end
     as the trainer would sample them, and ids the engine does not hold are ignored."""
-    engine = h.reset(h.base, 0)
-    engine.set_concurrency_cap(2)
-    rng = np.random.default_rng(6)
     sp = SamplingParams(temperature=1.0, max_new_tokens=20)
-    for i in range(4):
-        engine.add(Request(i, prompt(rng, h.vocab, 4 + i), sp))
-    for _ in range(5):
-        assert engine.step() == []
+    engine = mid_run(h, 6, 4, sp, 5)
     engine.abort([1, 3, 99])                  # 1 runs, 3 is queued behind the cap, 99 was never added
     out = run(engine)
     assert sorted(out) == [0, 2]
     for c in out.values():
         assert c.finish_reason == "length" and len(c.response) == 20
         assert_matches_trainer(c, 1.0, {0: h.referee(h.base)})
-    engine.add(Request(1, prompt(rng, h.vocab, 4), sp))     # an aborted id may come back
+    engine.add(Request(1, prompt(np.random.default_rng(7), h.vocab, 4), sp))     # an aborted id may come back
     assert sorted(run(engine)) == [1]
 
 
@@ -336,22 +337,15 @@ def check_inflight_weight_load_keeps_kv(h: Harness, new: dict) -> None:
     differ), a request admitted after the load is the new weights' alone, and reloading the weights a
     run already holds leaves every token as an undisturbed run samples it."""
     sp = SamplingParams(temperature=1.0, max_new_tokens=24)
-    rng = np.random.default_rng(5)
-    prompts = [prompt(rng, h.vocab, 4 + i) for i in range(3)]
 
     def generate(load: dict | None) -> dict[int, Completion]:
-        engine = h.reset(h.base, 0)
-        engine.set_concurrency_cap(2)
-        for i, p in enumerate(prompts):
-            engine.add(Request(i, p, sp))
         if load is None:
-            return run(engine)
+            return run(mid_run(h, 5, 3, sp, 0))
+        engine = mid_run(h, 5, 3, sp, 8)
         # The mode is flipped on the engine at hand (vLLM allows one engine per process); its prefix
         # cache, which keep turns off at construction, cannot matter here: no two prompts share a block.
         engine.sync_kv = "keep"
         try:
-            for _ in range(8):
-                assert engine.step() == []
             engine.load_weights(load, version=1)
             return run(engine)
         finally:
