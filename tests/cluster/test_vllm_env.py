@@ -23,13 +23,14 @@ MODULES = ("tests/cluster/test_vllm_engine.py", "tests/cluster/test_vllm_tensor_
 TIMEOUT_S = 1500     # measured ≈ 8 min on 2 cores; a hung engine fails the test instead of the suite
 
 
-def test_vllm_conformance_in_its_own_env():
+def test_vllm_conformance_in_its_own_env(policy_dir):
     if not VENV_PYTHON.exists():
         why = f"{VENV_PYTHON} is missing: run tools/vllm_env.sh to build the vLLM environment"
         if os.environ.get("REFLOW_REQUIRE_VLLM") == "1":
             pytest.fail(why)
         pytest.skip(why)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["REFLOW_TEST_POLICY"] = policy_dir                # one warm start for both environments
     args = [str(VENV_PYTHON), "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "vllm", *MODULES]
     try:
         r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

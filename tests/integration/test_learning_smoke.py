@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ROOT, python_m
 from loop_common import run
 from reflow_hpc.metrics import read_jsonl
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
-CFG = str(ROOT / "configs" / "cpu_tiny.toml")
 STEPS = 30
 
 
-def test_a_few_dozen_steps_raise_the_eval_reward_clearly(tmp_path):
-    policy = tmp_path / "policy"
-    r = python_m("reflow_hpc.warmstart", CFG, "--set", "warmstart.steps=500", "--set", "warmstart.eval_prompts=0",
-                 "--out", str(policy), timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    run_dir, metrics, summary, r = run(tmp_path, str(policy), f"trainer.steps={STEPS}", "run.eval_prompts=64",
+def test_a_few_dozen_steps_raise_the_eval_reward_clearly(tmp_path, policy_dir):
+    """policy_dir is the main job's own warm start."""
+    run_dir, metrics, summary, r = run(tmp_path, policy_dir, f"trainer.steps={STEPS}", "run.eval_prompts=64",
                                        "trainer.micro_batch_size=32", f"run.eval_every_steps={STEPS // 2}",
                                        "checkpoint.every_steps=0", timeout=600)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
