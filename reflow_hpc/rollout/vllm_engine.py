@@ -431,7 +431,11 @@ class VllmEngine:
 
     def stats(self) -> EngineStats:
         t = self._tally
-        return EngineStats(running=t.running, queued=t.waiting + len(self._queue),
+        # vLLM's counts date from its latest step; an abort since then has taken requests out of it.
+        inside = len(self._live)
+        running = min(t.running, inside)
+        waiting = min(t.waiting, inside - running)
+        return EngineStats(running=running, queued=waiting + len(self._queue),
                            kv_tokens_used=int(round(t.kv_usage * self.kv_tokens_budget)),
                            kv_tokens_budget=self.kv_tokens_budget,
                            preemptions=t.preemptions,

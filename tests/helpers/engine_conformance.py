@@ -308,6 +308,8 @@ def check_abort_ends_only_those_requests(h: Harness) -> None:
     sp = SamplingParams(temperature=1.0, max_new_tokens=20)
     engine = mid_run(h, 6, 4, sp, 5)
     engine.abort([1, 3, 99])                  # 1 runs, 3 is queued behind the cap, 99 was never added
+    st = engine.stats()                       # at once, not after the next step
+    assert (st.running, st.queued) == (1, 1), st
     out = run(engine)
     assert sorted(out) == [0, 2]
     for c in out.values():
