@@ -102,7 +102,7 @@ def alive(pid: int) -> bool:
 @pytest.fixture(scope="session")
 def policy_dir(tmp_path_factory) -> str:
     """The warm-started tiny policy of the main job's config: the repository's when present, else the same
-    warm start (the config's, ~100 s on 2 cores) made once for the session. A shorter one would earn no
+    warm start (the config's, ~70 s on 2 cores) made once for the session. A shorter one would earn no
     reward, so RL steps would leave the weights as they were and every check that tells versions apart
     by their weights would pass vacuously."""
     from reflow_hpc.config import load

@@ -71,7 +71,8 @@ def logprob_errors_by_version(run_dir: Path, policy_dir: str, samples: list, tem
                 model, _ = load_policy(policy_dir, "float32", "cpu")
             else:
                 load_model_weights(model, run_dir / "checkpoints" / f"step_{v:06d}" / "model")
-            weights.setdefault(v, torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+            if v not in weights:                     # once per version, not once per sample
+                weights[v] = torch.cat([p.detach().flatten() for p in model.parameters()])
             with torch.no_grad():
                 ids = torch.from_numpy(t.tokens.astype(np.int64))[None]
                 logits = model(input_ids=ids).logits[0, :-1]
