@@ -62,25 +62,27 @@ def logprob_errors_by_version(run_dir: Path, policy_dir: str, samples: list, tem
     from reflow_hpc.train.checkpoint import load_model_weights
     from reflow_hpc.train.loss import token_logprobs
 
-    model, _ = load_policy(policy_dir, "float32", "cpu")
-    errors, weights = {}, {}
+    by_version: dict[int, list] = {}
     for t in samples:
-        versions = sorted(set(t.versions[t.versions >= 0].tolist()))
-        for v in versions:
-            if v == 0:
-                model, _ = load_policy(policy_dir, "float32", "cpu")
-            else:
-                load_model_weights(model, run_dir / "checkpoints" / f"step_{v:06d}" / "model")
-            if v not in weights:                     # once per version, not once per sample
-                weights[v] = torch.cat([p.detach().flatten() for p in model.parameters()])
+        for v in set(t.versions[t.versions >= 0].tolist()):
+            by_version.setdefault(v, []).append(t)
+    model, _ = load_policy(policy_dir, "float32", "cpu")          # version 0
+    errors, weights = {}, {}
+    for v in sorted(by_version):                 # each version's checkpoint read once, whatever its samples
+        if v > 0:
+            load_model_weights(model, run_dir / "checkpoints" / f"step_{v:06d}" / "model")
+        weights[v] = torch.cat([p.detach().flatten() for p in model.parameters()])
+        for t in by_version[v]:
             with torch.no_grad():
                 ids = torch.from_numpy(t.tokens.astype(np.int64))[None]
                 logits = model(input_ids=ids).logits[0, :-1]
                 logp, _ = token_logprobs(logits, ids[0, 1:], temperature)
             mask = t.versions[1:] == v
             errors[(t.sample_id, v)] = float(np.max(np.abs(t.logprobs[1:][mask] - logp.numpy()[mask])))
-        # Versions whose weights are equal (steps without a learning signal) cannot be told apart: the
-        # check would pass whichever weights sampled a token.
+    # Versions whose weights are equal (steps without a learning signal) cannot be told apart: the check
+    # would pass whichever weights sampled a token.
+    for t in samples:
+        versions = sorted(set(t.versions[t.versions >= 0].tolist()))
         for a, b in zip(versions, versions[1:]):
             assert not torch.equal(weights[a], weights[b]), (
                 f"sample {t.sample_id}: versions {a} and {b} have the same weights (no learning signal in "
