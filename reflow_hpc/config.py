@@ -408,6 +408,11 @@ class ReflowConfig:
     delta: int = opt(1, "δ: max staleness (current version − oldest token version) kept in the pool.", ge=0)
     b_max: int = opt(0, "Max samples dispatched to rollout workers per step (in flight + pending); "
                         "0 = trainer.batch_size.", ge=0)
+    batch_fill: str = opt("unused_first", "How many unused samples a batch takes: unused_first = all ready, up to "
+                                          "b (replay fills what is left, so the replayed share follows production); "
+                                          "fixed_share = b − floor(bσ) whenever replay can supply floor(bσ) (the "
+                                          "rest wait for the next step, so each step uses the fewest fresh samples "
+                                          "σ allows).", choices=("unused_first", "fixed_share"))
     sync_every: int = opt(1, "Steps between weight syncs to the rollout workers.", ge=1)
     sampler: str = opt("random", "Replay sampler (registered name; built in: random, medium_reward, "
                                  "reward_variance = only samples of a nonzero group advantage, recency = least "

@@ -110,6 +110,10 @@ grpo's, paired by seed), the means of the run's ``rollout_is/*`` metrics, and ``
 (``common_generated``) any run of the benchmark reached — at equal uses a replayed use worth less than a
 fresh one shows as a lower reward, at equal generated samples replay that saves generation as a higher.
 
+A mode may carry settings of its own the same way, ``--modes "sync,reflow,reflow[batch_fill=fixed_share]"``
+(a bare key is in ``[reflow]``): each such arm is paired with the reference like a mode, and named as
+written.
+
 ``--peer trl`` adds TRL's GRPOTrainer (``tools/peer_trl.py``) for the same budget, held to the same
 total CPU share; it reports only its start and final score (TRL has no snapshot scoring here).
 """
@@ -659,15 +663,31 @@ def _se(xs: list[float]) -> float:
 # Runs
 # ----------------------------------------------------------------------------------------------
 
-def arm_sets(arm: str) -> list[str]:
-    """``--set`` values of an arm ``name`` or ``name[key=value;section.key=value]``."""
+def split_arm(arm: str, section: str) -> tuple[str, list[str]]:
+    """An arm ``name`` or ``name[key=value;section.key=value]``: its name and ``--set`` values (a bare
+    key is in ``[section]``)."""
     name, _, rest = arm.partition("[")
     extra = [kv.strip() for kv in rest.rstrip("]").split(";") if kv.strip()]
-    return [f"algorithm.name={name.strip()}"] + [kv if "." in kv.split("=")[0] else f"algorithm.{kv}" for kv in extra]
+    return name.strip(), [kv if "." in kv.split("=")[0] else f"{section}.{kv}" for kv in extra]
+
+
+def arm_sets(arm: str) -> list[str]:
+    """``--set`` values of an ``--algorithms`` arm (:func:`split_arm`, bare keys in ``[algorithm]``)."""
+    name, extra = split_arm(arm, "algorithm")
+    return [f"algorithm.name={name}", *extra]
+
+
+def mode_arm_sets(arm: str) -> list[str]:
+    """``--set`` values of a ``--modes`` arm: the mode's own (``bench_modes.mode_sets``), then the arm's
+    (:func:`split_arm`, bare keys in ``[reflow]``)."""
+    name, extra = split_arm(arm, "reflow")
+    if name not in MODES:
+        raise SystemExit(f"bench_learning: --modes {arm!r}: {name!r} is not a mode ({', '.join(MODES)})")
+    return [*mode_sets(name), *extra]
 
 
 def parse_algorithms(spec: str | None) -> list[str | None]:
-    """``--algorithms``: comma-separated arms, an arm's ``[...]`` settings kept whole."""
+    """``--algorithms`` or ``--modes``: comma-separated arms, an arm's ``[...]`` settings kept whole."""
     return [a.strip() for a in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", spec)] if spec else [None]
 
 
@@ -734,7 +754,7 @@ def run_one(config: str, mode: str, seed: int, args: argparse.Namespace, out: Pa
     if args.summarise_only:
         return read_run(out / name, label, seed)
     chosen = arm_sets(algorithm) if algorithm else []
-    sets = [*mode_sets(mode), *chosen, f"run.seed={seed}", f"trainer.time_budget_s={args.budget_s}",
+    sets = [*mode_arm_sets(mode), *chosen, f"run.seed={seed}", f"trainer.time_budget_s={args.budget_s}",
             "trainer.steps=1000000", f"run.eval_every_steps={args.eval_every_steps}",
             f"resources.cpu_quota={args.cpu_quota}", f"run.output_dir={out}", f"run.name={name}",
             f"storage.dir={out / 'scratch' / name}", "checkpoint.resume=false", "checkpoint.every_steps=0",
@@ -823,7 +843,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_s is None and not args.summarise_only:
         args.budget_s = DEFAULT_BUDGET_S
     seeds = [int(s) for s in args.seeds.split(",")]
-    modes = args.modes.split(",")
+    modes = [m for m in parse_algorithms(args.modes) if m]
+    for m in modes:
+        mode_arm_sets(m)                           # an unknown mode fails before the first run
     algorithms = parse_algorithms(args.algorithms)
     # (label, mode, objective) of every arm: by mode alone, or by objective (and mode, with several)
     arms = [(mode if alg is None else alg if len(modes) == 1 else f"{mode}:{alg}", mode, alg)

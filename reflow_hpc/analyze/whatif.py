@@ -72,7 +72,7 @@ from .read import Unreadable, iter_jsonl, read_json, skip_patterns
 from .stats import Block, EventStats, Step, Tally
 
 # The keys a what-if may change: the replay buffer's (DESIGN §2) and its sampler and filter.
-WHATIF_KEYS = ("reflow.sigma", "reflow.tau", "reflow.delta", "reflow.b_max", "reflow.sampler",
+WHATIF_KEYS = ("reflow.sigma", "reflow.tau", "reflow.delta", "reflow.b_max", "reflow.batch_fill", "reflow.sampler",
                "reflow.replay_filter", "reflow.reward_low", "reflow.reward_high")
 
 # Events the replay reads; the others are skipped unparsed (the skeleton of steps and blocks comes
@@ -150,7 +150,7 @@ def make_index(cfg: Config) -> ReplayIndex:
 def settings_of(cfg: Config) -> dict[str, Any]:
     r = cfg.reflow
     return {"sigma": r.sigma, "tau": r.tau, "delta": r.delta, "b_max": r.b_max or cfg.trainer.batch_size,
-            "sampler": r.sampler, "replay_filter": r.replay_filter}
+            "batch_fill": r.batch_fill, "sampler": r.sampler, "replay_filter": r.replay_filter}
 
 
 # ------------------------------------------------------------------------------------- the replay

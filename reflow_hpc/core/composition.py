@@ -3,10 +3,19 @@
 σ (sigma) — replay cap.
     A batch of ``b`` samples needs at least ``ceil(b(1-σ))`` unused ready samples; until then
     :meth:`Composer.compose` returns None and changes nothing. Otherwise it takes
-    ``u = min(ready unused, b)`` unused samples, oldest first (lowest min version, then completion
-    order), and fills the ``r = b - u`` remaining slots with replay samples chosen by the sampler;
-    if the sampler cannot supply ``r``, the batch is not ready either. The replay fraction
-    ``λ = r/b`` therefore follows production and never exceeds σ. σ = 0 disables replay.
+    unused samples, oldest first (lowest min version, then completion order), and fills the
+    ``r = b - u`` remaining slots with replay samples chosen by the sampler; if the sampler cannot
+    supply ``r``, the batch is not ready either. How many unused samples it takes is the batch fill
+    (``reflow.batch_fill``):
+
+    ``unused_first``: ``u = min(ready unused, b)``. The replay fraction ``λ = r/b`` follows
+        production: replay only fills the slots fresh samples leave empty.
+    ``fixed_share``: ``r = min(floor(bσ), replay available)`` and ``u = b - r``; the unused samples
+        beyond ``u`` wait for the next step. λ is σ whenever the sampler can supply it, so each step
+        consumes the fewest fresh samples σ allows and a step whose trainers would otherwise wait for
+        fresh samples can start at once.
+
+    Either way λ never exceeds σ, and σ = 0 disables replay.
 τ (tau) — replay loss weight.
     Each sample carries a base weight ``ω_i`` (1 unless its task says otherwise). Its loss weight is
     ``w_i = ω_i`` (unused) or ``τ·ω_i`` (replay), normalised by ``Z = Σ w_j n_j / Σ n_j``
@@ -33,6 +42,8 @@ from typing import TYPE_CHECKING
 from reflow_hpc.core.mixing import loss_weights, max_replay_slots, mixing_weight
 from reflow_hpc.core.sample import READY, SampleRecord
 from reflow_hpc.core.samplers import Sampler, take_replay
+
+BATCH_FILLS = ("unused_first", "fixed_share")
 
 if TYPE_CHECKING:
     from reflow_hpc.core.pool import Pool
@@ -72,11 +83,15 @@ class Batch:
 
 class Composer:
     """The σ and τ rules for batches of ``batch_size`` samples taken out of ``pool``, and the count
-    of batches composed. ``sampler`` picks the replay samples with the composer's ``rng``."""
+    of batches composed. ``sampler`` picks the replay samples with the composer's ``rng``; ``fill`` is
+    one of :data:`BATCH_FILLS` (module docstring)."""
 
     def __init__(self, *, batch_size: int, sigma: float, tau: float, pool: Pool, sampler: Sampler, seed: int = 0,
-                 per_sample_weights: bool = False):
+                 per_sample_weights: bool = False, fill: str = "unused_first"):
+        if fill not in BATCH_FILLS:
+            raise ValueError(f"batch_fill = {fill!r}: allowed: {', '.join(BATCH_FILLS)}")
         self.batch_size, self.sigma, self.tau = batch_size, sigma, tau
+        self.fixed_share = fill == "fixed_share" and sigma > 0
         self.per_sample_weights = per_sample_weights
         self.max_replay = max_replay_slots(batch_size, sigma)       # floor(b·σ)
         self.min_unused = batch_size - self.max_replay              # ceil(b·(1-σ))
@@ -97,8 +112,13 @@ class Composer:
         if not self.ready():
             return None
         pool = self.pool
-        u = min(pool.count[READY], self.batch_size)
-        r = self.batch_size - u
+        if self.fixed_share:
+            # ready() holds u ≤ ready unused: either b of them, or replay covering b - unused ≤ floor(bσ)
+            r = min(self.max_replay, self.sampler.available())
+            u = self.batch_size - r
+        else:
+            u = min(pool.count[READY], self.batch_size)
+            r = self.batch_size - u
         recs = pool.take_ready(u)
         if r:
             recs += take_replay(self.sampler, r, self.rng, pool.samples)

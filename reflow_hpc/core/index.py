@@ -35,8 +35,10 @@ The rules, and the part that holds each
 ---------------------------------------
 σ (sigma) — replay cap (:mod:`~reflow_hpc.core.composition`).
     A batch of ``b`` samples needs at least ``ceil(b(1-σ))`` unused ready samples, oldest first;
-    replay samples chosen by the sampler fill the rest. The replay fraction ``λ`` follows production
-    and never exceeds σ. σ = 0 disables replay.
+    replay samples chosen by the sampler fill the rest. The batch fill decides how many unused
+    samples it takes: all ready ones up to ``b`` (``unused_first``: the replay fraction ``λ`` follows
+    production) or ``ceil(b(1-σ))`` whenever replay covers the rest (``fixed_share``: ``λ = σ``).
+    ``λ`` never exceeds σ; σ = 0 disables replay.
 τ (tau) — replay loss weight (:mod:`~reflow_hpc.core.composition`, :mod:`~reflow_hpc.core.mixing`).
     ``w_i = ω_i`` (unused) or ``τ·ω_i`` (replay), normalised so that the token-weighted mean weight
     is 1. Each batch reports ``α = τλ/(1-λ+τλ) ≤ τσ/(1-σ+τσ)``.
@@ -80,7 +82,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from reflow_hpc.core import index_state
 from reflow_hpc.core.accounting import Accounting
 from reflow_hpc.core.advantages import ESTIMATORS
-from reflow_hpc.core.composition import Batch, Composer
+from reflow_hpc.core.composition import BATCH_FILLS, Batch, Composer
 from reflow_hpc.core.dispatch_window import DispatchWindow
 from reflow_hpc.core.filters import ReplayFilter, make_replay_filter
 from reflow_hpc.core.fresh import (FreshFilter, GroupGate, SampleWeight, make_fresh_filter,
@@ -115,7 +117,7 @@ class ReplayIndex:
                  adv_eps: float = 1e-6, adv_std_norm: bool = True, adv_estimator: str = "group_norm",
                  per_sample_weights: bool = False, fresh_filter: FreshFilter | None = None,
                  sample_weight: SampleWeight | None = None, max_gen_batches: int = 0, replay_advantage: str = "keep",
-                 prompt_key: Callable[[int], int] | None = None):
+                 prompt_key: Callable[[int], int] | None = None, batch_fill: str = "unused_first"):
         _require(isinstance(group_size, int) and group_size >= 1, "group_size", group_size, "must be an integer ≥ 1")
         _require(isinstance(batch_size, int) and batch_size >= 1, "batch_size", batch_size, "must be an integer ≥ 1")
         _require(0.0 <= sigma < 1.0, "sigma", sigma, "must be in [0, 1)")
@@ -124,6 +126,7 @@ class ReplayIndex:
         _require(isinstance(b_max, int) and b_max >= group_size, "b_max", b_max,
                  f"must be ≥ the group size {group_size} (groups are dispatched whole)")
         _require(adv_eps > 0.0, "adv_eps", adv_eps, "must be > 0")
+        _require(batch_fill in BATCH_FILLS, "batch_fill", batch_fill, "allowed: " + ", ".join(BATCH_FILLS))
         _require(adv_estimator in ESTIMATORS, "adv_estimator", adv_estimator, "allowed: " + ", ".join(ESTIMATORS))
         _require(isinstance(sampler, Sampler), "sampler", type(sampler).__name__, "must be a Sampler")
         _require(isinstance(replay_filter, ReplayFilter), "replay_filter", type(replay_filter).__name__,
@@ -131,7 +134,7 @@ class ReplayIndex:
         self.group_size, self.batch_size, self.b_max = group_size, batch_size, b_max
         self.sigma, self.tau, self.delta = float(sigma), float(tau), delta
         self.adv_eps, self.adv_std_norm = float(adv_eps), bool(adv_std_norm)
-        self.sampler, self.replay_filter = sampler, replay_filter
+        self.sampler, self.replay_filter, self.batch_fill = sampler, replay_filter, batch_fill
         self._accounts = Accounting()
         gate, latest = _group_hooks(batch_size, fresh_filter, sample_weight, max_gen_batches, replay_advantage,
                                     LatestGroups(estimator=adv_estimator, eps=self.adv_eps,
@@ -139,7 +142,8 @@ class ReplayIndex:
         self._pool = Pool(delta=delta, sampler=sampler, accounts=self._accounts, adv_eps=self.adv_eps,
                           adv_std_norm=self.adv_std_norm, adv_estimator=adv_estimator, gate=gate, latest=latest)
         self._composer = Composer(batch_size=batch_size, sigma=self.sigma, tau=self.tau, pool=self._pool,
-                                  sampler=sampler, seed=seed, per_sample_weights=per_sample_weights)
+                                  sampler=sampler, seed=seed, per_sample_weights=per_sample_weights,
+                                  fill=batch_fill)
         self._window = DispatchWindow(b_max, self._pool.count, self._composer.ready)
         self._parts = IndexParts(self._pool, self._accounts, self._composer, self._window, sampler, replay_filter)
         self._samples, self._count = self._pool.samples, self._pool.count    # the pool's own, for O(1) queries
@@ -329,7 +333,8 @@ class ReplayIndex:
         params = {"group_size": self.group_size, "batch_size": self.batch_size, "sigma": self.sigma,
                   "tau": self.tau, "delta": self.delta, "b_max": self.b_max, "adv_eps": self.adv_eps,
                   "adv_std_norm": self.adv_std_norm, "max_gen_batches": self._pool.gate.cap // self.batch_size,
-                  "replay_advantage": "keep" if self._pool.latest is None else "recompute"}
+                  "replay_advantage": "keep" if self._pool.latest is None else "recompute",
+                  "batch_fill": self.batch_fill}
         return index_state.state_dict(self._parts, params)
 
     @classmethod
@@ -432,7 +437,7 @@ def build_index(reflow: Any, *, group_size: int, batch_size: int, seed: int, adv
     describes, with the ``[algorithm]`` settings passed by keyword.
 
     ``reflow`` is read by attribute (mode, sigma, tau, delta, b_max, sampler, replay_filter,
-    reward_low, reward_high, and fresh_filter and sample_weight when it has them). ``b_max = 0``
+    reward_low, reward_high, and fresh_filter, sample_weight and batch_fill when it has them). ``b_max = 0``
     means ``batch_size``. ``dynamic_sampling`` selects the fresh filter ``informative_groups`` in
     place of ``accept_all``. The settings are checked against the mode's rules
     (:func:`reflow_hpc.core.modes.check`): a baseline given σ > 0 is refused, not run with σ = 0.
@@ -453,4 +458,5 @@ def build_index(reflow: Any, *, group_size: int, batch_size: int, seed: int, adv
         per_sample_weights=per_sample_weights, fresh_filter=make_fresh_filter(fresh, reflow),
         sample_weight=make_sample_weight(getattr(reflow, "sample_weight", "uniform"), reflow),
         max_gen_batches=max_gen_batches, replay_advantage=replay_advantage, prompt_key=prompt_key,
+        batch_fill=getattr(reflow, "batch_fill", "unused_first"),
     )

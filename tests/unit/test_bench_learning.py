@@ -326,6 +326,15 @@ def test_arms_keep_their_settings():
     assert bl.parse_algorithms(None) == [None]
 
 
+def test_mode_arms_keep_their_settings_after_the_modes_own():
+    arms = bl.parse_algorithms("sync,reflow[batch_fill=fixed_share;trainer.lr=1e-5]")
+    assert arms == ["sync", "reflow[batch_fill=fixed_share;trainer.lr=1e-5]"]
+    assert bl.mode_arm_sets(arms[1]) == [*bl.mode_sets("reflow"), "reflow.batch_fill=fixed_share", "trainer.lr=1e-5"]
+    assert bl.mode_arm_sets("sync") == bl.mode_sets("sync")
+    with pytest.raises(SystemExit, match="'turbo' is not a mode"):
+        bl.mode_arm_sets("turbo[sigma=0.5]")
+
+
 def test_the_tables_show_every_arm_and_level():
     curves = {"sync": [ramp(0.4, 0.8, 100.0), ramp(0.4, 0.7, 100.0)], "reflow": [ramp(0.4, 0.8, 50.0)] * 2}
     res = bl.summarise(curves, 200.0, {m: [[(t / 2, y) for t, y in c] for c in cs] for m, cs in curves.items()})

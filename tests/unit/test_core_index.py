@@ -122,6 +122,54 @@ def test_not_ready_when_replay_pool_too_small():
     assert b.num_unused == 6 and b.num_replay == 2
 
 
+def test_fixed_share_takes_the_fewest_unused_and_leaves_the_rest_for_the_next_step():
+    # unused_first would take 8 of the 12 unused samples; fixed_share takes ceil(b(1-σ)) = 4, oldest
+    # first, and the 8 left make the next two batches at once
+    idx = make_index(group_size=1, batch_size=8, sigma=0.5, delta=3, batch_fill="fixed_share")
+    make_replay(idx, 8, rewards=(0.5,))
+    fresh = [finish_group(idx, (0.5,))[0] for _ in range(12)]
+    b = idx.compose_batch()
+    assert b.num_unused == 4 and b.num_replay == 4 and b.replay_fraction == 0.5
+    assert list(b.sample_ids[:4]) == fresh[:4]
+    assert idx.count("ready") == 8
+    idx.check_invariants()
+    idx.step_done(b)
+    idx.bump_version()
+    b2 = idx.compose_batch()
+    assert list(b2.sample_ids[:4]) == fresh[4:8] and b2.num_replay == 4
+
+
+def test_fixed_share_takes_more_unused_when_replay_is_short():
+    idx = make_index(group_size=1, batch_size=8, sigma=0.5, batch_fill="fixed_share")
+    make_replay(idx, 8, rewards=(0.5,))
+    idx.abort(list(idx.live_ids())[:6])         # leaves 2 replay samples
+    for _ in range(4):
+        finish_group(idx, (0.5,))
+    assert idx.compose_batch() is None          # 4 unused + 2 replay < 8, as under unused_first
+    for _ in range(4):
+        finish_group(idx, (0.5,))
+    b = idx.compose_batch()
+    assert b.num_unused == 6 and b.num_replay == 2
+
+
+def test_fixed_share_with_sigma_zero_is_unused_first():
+    idx = make_index(group_size=1, batch_size=4, sigma=0.0, batch_fill="fixed_share")
+    for _ in range(6):
+        finish_group(idx, (0.5,))
+    b = idx.compose_batch()
+    assert b.num_unused == 4 and b.num_replay == 0
+
+
+def test_batch_fill_is_checked_and_kept_in_the_checkpoint():
+    with pytest.raises(ValueError, match="batch_fill"):
+        make_index(batch_fill="greedy")
+    idx = make_index(batch_fill="fixed_share")
+    assert ReplayIndex.from_state_dict(json.loads(json.dumps(idx.state_dict()))).batch_fill == "fixed_share"
+    state = idx.state_dict()
+    del state["params"]["batch_fill"]           # a checkpoint from before the key
+    assert ReplayIndex.from_state_dict(state).batch_fill == "unused_first"
+
+
 def test_sigma_zero_needs_full_unused_batch_and_ends_trained():
     idx = make_index(group_size=4, batch_size=8, sigma=0.0)
     finish_group(idx, (0, 1, 0, 1))

@@ -33,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from reflow_hpc.core import (TERMINAL_REASONS, ReplayIndex, loss_weights, make_replay_filter, make_sampler,
                              max_replay_slots, mixing_weight, mixing_weight_bound)
+from reflow_hpc.core.composition import BATCH_FILLS
 from reflow_hpc.core.filters import RewardBand
 from reflow_hpc.core.fresh import InformativeGroups, SampleWeight, register_fresh_filter, register_sample_weight
 from reflow_hpc.core.samplers import MediumRewardSampler
@@ -75,13 +76,14 @@ class IndexMachine(RuleBasedStateMachine):
                 delta=st.integers(0, 2), b_max_factor=st.sampled_from([0.5, 1, 1, 2, 3]),
                 sampler=st.sampled_from(["random", "medium_reward", "reward_variance", "recency"]),
                 replay_filter=st.sampled_from(["accept_all", "reward_band"]),
-                std_norm=st.booleans(), seed=st.integers(0, 2**16))
-    def setup(self, group_size, batch_size, sigma, tau, delta, b_max_factor, sampler, replay_filter, std_norm, seed):
+                std_norm=st.booleans(), seed=st.integers(0, 2**16), batch_fill=st.sampled_from(BATCH_FILLS))
+    def setup(self, group_size, batch_size, sigma, tau, delta, b_max_factor, sampler, replay_filter, std_norm, seed,
+              batch_fill):
         self.names = (sampler, replay_filter)
         self.idx = ReplayIndex(group_size=group_size, batch_size=batch_size, sigma=sigma, tau=tau, delta=delta,
                                b_max=max(group_size, math.ceil(batch_size * b_max_factor)), sampler=fresh_sampler(sampler),
                                replay_filter=fresh_filter(replay_filter), seed=seed, adv_std_norm=std_norm,
-                               **self.hooks())
+                               batch_fill=batch_fill, **self.hooks())
         self.start()
 
     def hooks(self) -> dict:
@@ -167,12 +169,17 @@ class IndexMachine(RuleBasedStateMachine):
     def compose(self):
         idx = self.idx
         ready_before = idx.batch_ready()
+        unused, replay = idx.count("ready"), idx.sampler.available()
         b = idx.compose_batch(now=self.tick())
         assert (b is not None) == ready_before
         if b is None:
             return
         self.batches += 1
         check_batch(idx, b, self.training)
+        # the batch fill: all ready unused samples up to b, or as few as replay lets σ leave
+        n, cap = len(b), max_replay_slots(len(b), idx.sigma)
+        want = n - min(cap, replay) if idx.batch_fill == "fixed_share" else min(unused, n)
+        assert b.num_unused == want, (idx.batch_fill, unused, replay, b.num_unused)
         event("a batch with replay samples" if b.num_replay else "a batch of unused samples only")
         self.training.append(b)
 
@@ -384,13 +391,13 @@ test_dynamic_sampling_state_machine = DynamicSamplingMachine.TestCase
 @given(seed=st.integers(0, 2**32 - 1), group_size=st.integers(1, 4), batch_size=st.integers(4, 12),
        sigma=st.sampled_from([0.25, 0.3, 0.5, 0.7]), tau=TAUS, delta=st.integers(0, 3),
        sampler=st.sampled_from(["random", "medium_reward", "reward_variance", "recency"]),
-       replay_filter=st.sampled_from(["accept_all", "reward_band"]))
-def test_random_workload(seed, group_size, batch_size, sigma, tau, delta, sampler, replay_filter):
+       replay_filter=st.sampled_from(["accept_all", "reward_band"]), batch_fill=st.sampled_from(BATCH_FILLS))
+def test_random_workload(seed, group_size, batch_size, sigma, tau, delta, sampler, replay_filter, batch_fill):
     import random
     rng = random.Random(seed)
     idx = ReplayIndex(group_size=group_size, batch_size=batch_size, sigma=sigma, tau=tau, delta=delta,
                       b_max=max(group_size, batch_size // 2 + rng.randrange(batch_size)), sampler=fresh_sampler(sampler),
-                      replay_filter=fresh_filter(replay_filter), seed=seed)
+                      replay_filter=fresh_filter(replay_filter), seed=seed, batch_fill=batch_fill)
     created, ended, training = set(), {}, []
     replayed = 0
 
