@@ -88,8 +88,6 @@ class Composer:
 
     def __init__(self, *, batch_size: int, sigma: float, tau: float, pool: Pool, sampler: Sampler, seed: int = 0,
                  per_sample_weights: bool = False, fill: str = "unused_first"):
-        if fill not in BATCH_FILLS:
-            raise ValueError(f"batch_fill = {fill!r}: allowed: {', '.join(BATCH_FILLS)}")
         self.batch_size, self.sigma, self.tau = batch_size, sigma, tau
         self.fixed_share = fill == "fixed_share" and sigma > 0
         self.per_sample_weights = per_sample_weights

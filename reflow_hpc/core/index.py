@@ -142,8 +142,7 @@ class ReplayIndex:
         self._pool = Pool(delta=delta, sampler=sampler, accounts=self._accounts, adv_eps=self.adv_eps,
                           adv_std_norm=self.adv_std_norm, adv_estimator=adv_estimator, gate=gate, latest=latest)
         self._composer = Composer(batch_size=batch_size, sigma=self.sigma, tau=self.tau, pool=self._pool,
-                                  sampler=sampler, seed=seed, per_sample_weights=per_sample_weights,
-                                  fill=batch_fill)
+                                  sampler=sampler, seed=seed, per_sample_weights=per_sample_weights, fill=batch_fill)
         self._window = DispatchWindow(b_max, self._pool.count, self._composer.ready)
         self._parts = IndexParts(self._pool, self._accounts, self._composer, self._window, sampler, replay_filter)
         self._samples, self._count = self._pool.samples, self._pool.count    # the pool's own, for O(1) queries
