@@ -89,7 +89,7 @@ class Composer:
     def __init__(self, *, batch_size: int, sigma: float, tau: float, pool: Pool, sampler: Sampler, seed: int = 0,
                  per_sample_weights: bool = False, fill: str = "unused_first"):
         self.batch_size, self.sigma, self.tau = batch_size, sigma, tau
-        self.fixed_share = fill == "fixed_share" and sigma > 0
+        self.fixed_share = fill == "fixed_share"      # at σ = 0 it takes b unused, as unused_first
         self.per_sample_weights = per_sample_weights
         self.max_replay = max_replay_slots(batch_size, sigma)       # floor(b·σ)
         self.min_unused = batch_size - self.max_replay              # ceil(b·(1-σ))

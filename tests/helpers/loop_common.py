@@ -63,8 +63,10 @@ def logprob_errors_by_version(run_dir: Path, policy_dir: str, samples: list, tem
     from reflow_hpc.train.loss import token_logprobs
 
     by_version: dict[int, list] = {}
+    versions_of = {}                             # sample id -> its token versions, ascending
     for t in samples:
-        for v in set(t.versions[t.versions >= 0].tolist()):
+        versions_of[t.sample_id] = sorted(set(t.versions[t.versions >= 0].tolist()))
+        for v in versions_of[t.sample_id]:
             by_version.setdefault(v, []).append(t)
     model, _ = load_policy(policy_dir, "float32", "cpu")          # version 0
     errors, weights = {}, {}
@@ -82,7 +84,7 @@ def logprob_errors_by_version(run_dir: Path, policy_dir: str, samples: list, tem
     # Versions whose weights are equal (steps without a learning signal) cannot be told apart: the check
     # would pass whichever weights sampled a token.
     for t in samples:
-        versions = sorted(set(t.versions[t.versions >= 0].tolist()))
+        versions = versions_of[t.sample_id]
         for a, b in zip(versions, versions[1:]):
             assert not torch.equal(weights[a], weights[b]), (
                 f"sample {t.sample_id}: versions {a} and {b} have the same weights (no learning signal in "

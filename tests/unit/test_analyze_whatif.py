@@ -48,8 +48,7 @@ def test_what_if_under_other_settings(reflow_run, tmp_path):
     # The what-if obeys the rules of the index it ran: σ caps the replay fraction, δ = 1 trains
     # nothing older than one step, and b_max = 16 < the run's window defers dispatches.
     assert wi["settings"] == {"sigma": 0.25, "tau": 1.0, "delta": 1, "b_max": 16, "batch_fill": "unused_first",
-                              "sampler": "random",
-                              "replay_filter": "accept_all"}
+                              "sampler": "random", "replay_filter": "accept_all"}
     assert wi["replay_fraction"] <= 0.25 and wi["staleness_max"] <= 1
     assert wi["deferred_groups"] > 0 and wi["created"] <= run["created"]
     assert 0 < wi["steps"] <= run["steps"]
