@@ -246,6 +246,42 @@ def reference_label(labels: list[str]) -> str | None:
     return None
 
 
+def arm_targets(curves: dict, steps: dict | None, levels: dict, budget: float, ref_targets: dict | None) -> dict:
+    """Per level and axis (time; steps where known), one arm's per-seed times to the level, paired by seed
+    with the reference arm's ``ref_targets`` unless this arm is the reference."""
+    targets: dict[str, dict] = {}
+    for name, level in levels.items():
+        axes = {"time": seed_times(curves, level, budget)}
+        if steps:
+            axes["steps"] = seed_times(steps, level)
+        for axis, block in axes.items():
+            if ref_targets is None or axis not in ref_targets[name]:
+                continue
+            theirs = ref_targets[name][axis]
+            block["vs_ref"] = paired(block["per_seed"], theirs["per_seed"])
+            # A pair censored on both sides has ratio ~1 by construction: name it, and the mean ratio
+            # without such pairs beside the one with them.
+            both = sorted(set(block["censored_seeds"]) & set(theirs["censored_seeds"]))
+            rest = {sd: v for sd, v in block["per_seed"].items() if sd not in both}
+            block["vs_ref"].update(both_censored=both, ratio_without_both_censored=paired(rest, theirs["per_seed"])["ratio"])
+        targets[name] = axes
+    return targets
+
+
+def reflow_headline(row: dict) -> dict:
+    """The headline keys of reflow's row against sync: time and steps to sync's final, and the final gap."""
+    t = row["targets"]["sync_final"]["time"]["vs_ref"]
+    head = dict(reflow_over_sync_time=t["ratio"], reflow_over_sync_time_se=t["ratio_se"],
+                reflow_over_sync_time_median=t["ratio_median"], reflow_minus_sync_time_s=t["diff"],
+                reflow_minus_sync_time_s_se=t["diff_se"])
+    s = row["targets"]["sync_final"].get("steps", {}).get("vs_ref")
+    if s:
+        head.update(reflow_over_sync_steps=s["ratio"], reflow_over_sync_steps_se=s["ratio_se"])
+    gap = row["final_vs_ref"]
+    head.update(final_gap=gap["diff"], final_gap_se=gap["diff_se"], final_gap_resolution=2 * gap["diff_se"])
+    return head
+
+
 def summarise(curves: dict, budget: float, step_curves: dict | None = None, reference: str | None = None) -> dict:
     """The per-seed statistics of the module docstring. ``curves``: per arm, ``{seed: [(training s,
     reward), ...]}`` (or a list of curves, seeds by position); ``step_curves`` the same against optimizer
@@ -271,37 +307,13 @@ def summarise(curves: dict, budget: float, step_curves: dict | None = None, refe
     for mode in [ref] + [m for m in curves if m != ref]:        # the reference first: the others pair with it
         row = rows[mode]
         row["final_vs_ref"] = {k: v for k, v in paired(finals[mode], finals[ref]).items() if not k.startswith("ratio")}
-        targets: dict[str, dict] = {}
-        for name, level in levels.items():
-            axes = {"time": seed_times(curves[mode], level, budget)}
-            if steps.get(mode):
-                axes["steps"] = seed_times(steps[mode], level)
-            if mode != ref:
-                for axis, block in axes.items():
-                    if axis in rows[ref]["targets"][name]:
-                        theirs = rows[ref]["targets"][name][axis]
-                        block["vs_ref"] = paired(block["per_seed"], theirs["per_seed"])
-                        # A pair censored on both sides has ratio ~1 by construction: name it, and the
-                        # mean ratio without such pairs beside the one with them.
-                        both = sorted(set(block["censored_seeds"]) & set(theirs["censored_seeds"]))
-                        rest = {sd: v for sd, v in block["per_seed"].items() if sd not in both}
-                        block["vs_ref"].update(both_censored=both,
-                                               ratio_without_both_censored=paired(rest, theirs["per_seed"])["ratio"])
-            targets[name] = axes
-        row["targets"] = targets
-        gain = targets["sync_gain_90"]["time"]
+        row["targets"] = arm_targets(curves[mode], steps.get(mode), levels, budget,
+                                     None if mode == ref else rows[ref]["targets"])
+        gain = row["targets"]["sync_gain_90"]["time"]
         row["time_to_90pct_of_sync_gain_s"] = gain["mean"]
         row["time_over_sync"] = 1.0 if mode == ref else gain.get("vs_ref", {}).get("ratio", math.nan)
     if "reflow" in curves and ref == "sync":
-        t = rows["reflow"]["targets"]["sync_final"]["time"]["vs_ref"]
-        out.update(reflow_over_sync_time=t["ratio"], reflow_over_sync_time_se=t["ratio_se"],
-                   reflow_over_sync_time_median=t["ratio_median"], reflow_minus_sync_time_s=t["diff"],
-                   reflow_minus_sync_time_s_se=t["diff_se"])
-        s = rows["reflow"]["targets"]["sync_final"].get("steps", {}).get("vs_ref")
-        if s:
-            out.update(reflow_over_sync_steps=s["ratio"], reflow_over_sync_steps_se=s["ratio_se"])
-        gap = rows["reflow"]["final_vs_ref"]
-        out.update(final_gap=gap["diff"], final_gap_se=gap["diff_se"], final_gap_resolution=2 * gap["diff_se"])
+        out.update(reflow_headline(rows["reflow"]))
     return out
 
 
@@ -821,7 +833,7 @@ def plot(curves: dict, step_curves: dict, budget: float, path: Path, levels: dic
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="?", default=str(ROOT / "configs" / "cpu_tiny.toml"))
     ap.add_argument("--modes", default=",".join(MODES))
@@ -842,15 +854,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--summarise-only reads the runs of --out DIR")
     if args.budget_s is None and not args.summarise_only:
         args.budget_s = DEFAULT_BUDGET_S
-    seeds = [int(s) for s in args.seeds.split(",")]
+    return args
+
+
+def bench_arms(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
+    """(label, mode, objective) of every arm: by mode alone, or by objective (and mode, with several)."""
     modes = [m for m in parse_algorithms(args.modes) if m]
     for m in modes:
         mode_arm_sets(m)                           # an unknown mode fails before the first run
-    algorithms = parse_algorithms(args.algorithms)
-    # (label, mode, objective) of every arm: by mode alone, or by objective (and mode, with several)
-    arms = [(mode if alg is None else alg if len(modes) == 1 else f"{mode}:{alg}", mode, alg)
-            for alg in algorithms for mode in modes]
-    out = Path(args.out or tempfile.mkdtemp(prefix="bench_learning-"))
+    return [(mode if alg is None else alg if len(modes) == 1 else f"{mode}:{alg}", mode, alg)
+            for alg in parse_algorithms(args.algorithms) for mode in modes]
+
+
+def make_runs(args: argparse.Namespace, arms: list, seeds: list[int], out: Path) -> list[dict]:
+    """Every arm for every seed (or, with --summarise-only, the records already in ``out``)."""
     cfg = None
     if not args.summarise_only:
         cfg = load(args.config, args.sets)
@@ -871,6 +888,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_learning: --summarise-only: the TRL peer's runs are not kept, so not read back", file=sys.stderr)
     if args.summarise_only:
         args.budget_s = runs_budget(runs, args.budget_s, out)
+    return runs
+
+
+def bench_result(args: argparse.Namespace, arms: list, runs: list[dict], png: Path) -> dict:
+    """The summary, with resolution, rank profiles and flags, of ``runs``; draws the plot to ``png``."""
     curves: dict[str, dict[int, list]] = {}
     step_curves: dict[str, dict[int, list]] = {}
     for r in runs:
@@ -878,9 +900,10 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("step_curve"):
             step_curves.setdefault(r["mode"], {})[r["seed"]] = r["step_curve"]
     ours = {m: c for m, c in curves.items() if m != "trl"}
-    result = summarise(ours, args.budget_s, step_curves, reference_label([label for label, _, _ in arms]))
+    labels = [label for label, _, _ in arms]
+    result = summarise(ours, args.budget_s, step_curves, reference_label(labels))
     if args.algorithms:
-        result["algorithms"] = summarise_algorithms(runs, [label for label, _, _ in arms])
+        result["algorithms"] = summarise_algorithms(runs, labels)
     if "trl" in curves:
         finals = [c[-1][1] for c in curves["trl"].values()]
         result["modes"]["trl"] = {"final_reward": _mean(finals), "final_reward_se": _se(finals),
@@ -896,11 +919,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in mine:
         flags += cap_flags(f"{r['mode']} seed {r['seed']}", r.get("ranks") or [], args.cpu_quota)
     result["flags"] = flags
-    png = Path(args.plot) if args.plot else out / "bench_learning.png"
     sets = {r.get("curve_set", "task") for r in mine}
     plot(curves, step_curves, args.budget_s, png, result.get("levels"), result.get("reference"),
          sets.pop() if len(sets) == 1 else "task")
+    return result
 
+
+def print_report(result: dict, mine: list[dict], png: Path) -> None:
+    """The tables, censoring, resolution, per-run and per-rank lines and flags of one bench."""
     print(table(result))
     print()
     print(targets_table(result))
@@ -921,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
         print(profiles_table(result["rank_profiles"]))
     else:
         print("per-rank records: none (runs made before the runtime kept ranks/rank<NNNNN>.json)")
-    for line in flags:
+    for line in result["flags"]:
         print(line)
     if "reflow_over_sync_time" in result:
         print(f"reflow reaches sync's final eval reward in {_fmt(result['reflow_over_sync_time'], '.2f')} "
@@ -932,6 +958,17 @@ def main(argv: list[str] | None = None) -> int:
               f"its steps; final gap reflow - sync {_fmt(result['final_gap'], '+.3f')} ± "
               f"{_fmt(result['final_gap_se'], '.3f')} (goal: within one s.e. or 0.02)")
     print(f"plot: {png}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    arms = bench_arms(args)
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_learning-"))
+    runs = make_runs(args, arms, seeds, out)
+    png = Path(args.plot) if args.plot else out / "bench_learning.png"
+    result = bench_result(args, arms, runs, png)
+    print_report(result, [r for r in runs if r["mode"] != "trl"], png)
     if args.json:
         print(json.dumps({"config": args.config, "budget_s": args.budget_s, "seeds": seeds, "cpu_quota": args.cpu_quota,
                           "plot": str(png), "out": str(out), **result, "runs": runs}))
