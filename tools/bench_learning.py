@@ -867,7 +867,8 @@ def bench_arms(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
 
 
 def make_runs(args: argparse.Namespace, arms: list, seeds: list[int], out: Path) -> list[dict]:
-    """Every arm for every seed (or, with --summarise-only, the records already in ``out``)."""
+    """Every arm for every seed (or, with --summarise-only, the records already in ``out``; then
+    ``args.budget_s`` becomes the runs' own budget unless given)."""
     cfg = None
     if not args.summarise_only:
         cfg = load(args.config, args.sets)
