@@ -412,7 +412,8 @@ class ReflowConfig:
                                           "b (replay fills what is left, so the replayed share follows production); "
                                           "fixed_share = b − floor(bσ) whenever replay can supply floor(bσ) (the "
                                           "rest wait for the next step, so each step uses the fewest fresh samples "
-                                          "σ allows).", choices=("unused_first", "fixed_share"))
+                                          "σ allows), or more when more unused samples would go stale (δ) before "
+                                          "the next step.", choices=("unused_first", "fixed_share"))
     sync_every: int = opt(1, "Steps between weight syncs to the rollout workers.", ge=1)
     sampler: str = opt("random", "Replay sampler (registered name; built in: random, medium_reward, "
                                  "reward_variance = only samples of a nonzero group advantage, recency = least "

@@ -10,10 +10,12 @@
 
     ``unused_first``: ``u = min(ready unused, b)``. The replay fraction ``λ = r/b`` follows
         production: replay only fills the slots fresh samples leave empty.
-    ``fixed_share``: ``r = min(floor(bσ), replay available)`` and ``u = b - r``; the unused samples
-        beyond ``u`` wait for the next step. λ is σ whenever the sampler can supply it, so each step
-        consumes the fewest fresh samples σ allows and a step whose trainers would otherwise wait for
-        fresh samples can start at once.
+    ``fixed_share``: ``r = max(0, min(floor(bσ), replay available, b - e))`` and ``u = b - r``, where ``e``
+        counts the unused ready samples the next version bump would evict as staler than δ; the
+        unused samples beyond ``u`` wait for the next step. λ is σ whenever the sampler can supply
+        it and no fresh sample is about to expire, so each step consumes the fewest fresh samples σ
+        allows and a step whose trainers would otherwise wait for fresh samples can start at once;
+        a fresh sample is never left to go stale while replay takes its slot.
 
     Either way λ never exceeds σ, and σ = 0 disables replay.
 τ (tau) — replay loss weight.
@@ -111,8 +113,9 @@ class Composer:
             return None
         pool = self.pool
         if self.fixed_share:
-            # ready() holds u ≤ ready unused: either b of them, or replay covering b - unused ≤ floor(bσ)
-            r = min(self.max_replay, self.sampler.available())
+            # ready() holds u ≤ ready unused: either b of them, or replay covering b - unused ≤ floor(bσ);
+            # the e ≤ ready unused about to expire are taken first (take_ready is oldest first)
+            r = max(0, min(self.max_replay, self.sampler.available(), self.batch_size - pool.ready_expiring()))
             u = self.batch_size - r
         else:
             u = min(pool.count[READY], self.batch_size)

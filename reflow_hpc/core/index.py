@@ -37,7 +37,8 @@ The rules, and the part that holds each
     A batch of ``b`` samples needs at least ``ceil(b(1-σ))`` unused ready samples, oldest first;
     replay samples chosen by the sampler fill the rest. The batch fill decides how many unused
     samples it takes: all ready ones up to ``b`` (``unused_first``: the replay fraction ``λ`` follows
-    production) or ``ceil(b(1-σ))`` whenever replay covers the rest (``fixed_share``: ``λ = σ``).
+    production) or ``ceil(b(1-σ))`` whenever replay covers the rest (``fixed_share``: ``λ = σ``),
+    more when that many unused samples would otherwise go stale at the next version bump.
     ``λ`` never exceeds σ; σ = 0 disables replay.
 τ (tau) — replay loss weight (:mod:`~reflow_hpc.core.composition`, :mod:`~reflow_hpc.core.mixing`).
     ``w_i = ω_i`` (unused) or ``τ·ω_i`` (replay), normalised so that the token-weighted mean weight

@@ -152,6 +152,32 @@ def test_fixed_share_takes_more_unused_when_replay_is_short():
     assert b.num_unused == 6 and b.num_replay == 2
 
 
+def test_fixed_share_takes_the_unused_samples_the_next_bump_would_evict():
+    # 6 unused samples from version 0 expire at the bump to version 2 (δ = 1): the batch takes all 6,
+    # oldest first, and replay fills only the 2 slots left; a fixed share of 4 would have wasted 2
+    idx = make_index(group_size=1, batch_size=8, sigma=0.5, delta=1, batch_fill="fixed_share")
+    make_replay(idx, 8, rewards=(0.5,))
+    idx.bump_version()
+    old = [finish_group(idx, (0.5,), version=0)[0] for _ in range(6)]
+    new = [finish_group(idx, (0.5,))[0] for _ in range(4)]
+    b = idx.compose_batch()
+    assert list(b.sample_ids[:6]) == old and b.num_replay == 2 and b.replay_fraction == 0.25
+    assert [idx.sample(s).state for s in new] == ["ready"] * 4
+    idx.step_done(b)
+    idx.bump_version()
+    assert [idx.sample(s).state for s in new] == ["ready"] * 4 and idx.count("replay") == 0  # replay evicted
+    assert idx.compose_batch() is None                            # 4 unused and no replay to fill 4 slots
+
+
+def test_fixed_share_with_more_expiring_than_a_batch_takes_no_replay():
+    idx = make_index(group_size=1, batch_size=4, sigma=0.5, delta=1, batch_fill="fixed_share")
+    make_replay(idx, 4, rewards=(0.5,))
+    idx.bump_version()
+    old = [finish_group(idx, (0.5,), version=0)[0] for _ in range(6)]
+    b = idx.compose_batch()
+    assert list(b.sample_ids) == old[:4] and b.num_replay == 0
+
+
 def test_fixed_share_with_sigma_zero_is_unused_first():
     idx = make_index(group_size=1, batch_size=4, sigma=0.0, batch_fill="fixed_share")
     for _ in range(6):

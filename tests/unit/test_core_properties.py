@@ -165,21 +165,32 @@ class IndexMachine(RuleBasedStateMachine):
         if ids and go == 0:
             self.record(self.idx.failed(data.draw(st.sampled_from(ids))))
 
+    def ready_expiring(self) -> int:
+        """Unused ready samples the next version bump evicts, counted from the records themselves."""
+        idx = self.idx
+        recs = [idx.sample(sid) for sid in idx.live_ids()]
+        return sum(1 for rec in recs if rec.state == "ready" and rec.min_version <= idx.version - idx.delta)
+
     @rule()
     def compose(self):
         idx = self.idx
         ready_before = idx.batch_ready()
-        unused, replay = idx.count("ready"), idx.sampler.available()
+        unused, replay, expiring = idx.count("ready"), idx.sampler.available(), self.ready_expiring()
         b = idx.compose_batch(now=self.tick())
         assert (b is not None) == ready_before
         if b is None:
             return
         self.batches += 1
         check_batch(idx, b, self.training)
-        # the batch fill: all ready unused samples up to b, or as few as replay lets σ leave
+        # the batch fill: all ready unused samples up to b, or as few as replay lets σ leave but never
+        # fewer than the next bump would evict; a batch with replay leaves no unused sample to expire
         n, cap = len(b), max_replay_slots(len(b), idx.sigma)
-        want = n - min(cap, replay) if idx.batch_fill == "fixed_share" else min(unused, n)
-        assert b.num_unused == want, (idx.batch_fill, unused, replay, b.num_unused)
+        want = n - max(0, min(cap, replay, n - expiring)) if idx.batch_fill == "fixed_share" else min(unused, n)
+        assert b.num_unused == want, (idx.batch_fill, unused, replay, expiring, b.num_unused)
+        if b.num_replay:
+            assert self.ready_expiring() == 0, (idx.batch_fill, expiring, b.num_unused)
+        if idx.batch_fill == "fixed_share" and b.num_replay < min(cap, replay):
+            event("fixed_share took unused samples about to expire in place of replay")
         event("a batch with replay samples" if b.num_replay else "a batch of unused samples only")
         self.training.append(b)
 
