@@ -33,7 +33,7 @@ from reflow_hpc.core.sample import TERMINAL_REASONS
 from reflow_hpc.storage.reader import BUDGET_MIB
 
 from .read import Flush, ShardWalk, Unreadable, iter_jsonl, read_json
-from .stats import MAX_RANKS, ROLES, EventStats, MetricStats, ShardStats, Tally
+from .stats import EVICTED_UNUSED_CAUSES, MAX_RANKS, ROLES, EventStats, MetricStats, ShardStats, Tally
 
 
 @dataclass
@@ -99,7 +99,8 @@ def result(src: Sources, *, max_points: int) -> dict[str, Any]:
     if ev is not None:
         out.update(created=ev.created, finished=ev.finished, failed=ev.failed,
                    by_reason=dict(sorted(ev.by_reason.items())), by_reason_from="events.jsonl",
-                   evicted_unused=ev.evicted_unused, events=ev.events, resumed=ev.resumed)
+                   evicted_unused=ev.evicted_unused, events=ev.events, resumed=ev.resumed,
+                   evicted_unused_by_cause=dict(sorted(ev.evicted_unused_by_cause.items())))
     else:
         buf = {k: v for k, v in (_get(summary, "buffer", dict) or {}).items() if type(v) is int}
         out.update(created=buf.get("buffer/created"), finished=None, failed=buf.get("buffer/failed"),
@@ -264,6 +265,9 @@ def text(res: dict[str, Any], *, rows: int) -> str:
         parts = [f"{k} {v} ({v / total:.1%})" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])]
         unused = res.get("evicted_unused")
         tail = f"; {unused} evicted stale never trained" if unused is not None else ""
+        causes = res.get("evicted_unused_by_cause")
+        if unused and causes:
+            tail += " (" + ", ".join(f"{n} {EVICTED_UNUSED_CAUSES.get(k, k)}" for k, n in causes.items()) + ")"
         out.append(f"terminal reasons ({res.get('by_reason_from')}): " + ", ".join(parts) + tail)
     else:
         out.append("terminal reasons: no event log and no summary.json")

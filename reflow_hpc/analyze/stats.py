@@ -23,6 +23,14 @@ ROLES = ("", "trainer", "rollout", "trainer+rollout", "idle")
 # name ids at most ID_SLACK beyond the ids dispatched so far (the coordinator numbers them densely).
 ID_SLACK = 1 << 16
 MAX_VERSION = 1 << 20
+# Why a sample ended stale before any step trained on it (EventStats.evicted_unused_by_cause):
+EVICTED_UNUSED_CAUSES = {
+    "stale_on_arrival": "already staler than δ when it finished",
+    "group_incomplete": "its group still waited for a member",
+    "ready_after_last_batch": "its group completed after the last batch before the bump",
+    "passed_over": "a batch was composed while it was ready and left it out",
+    "unknown": "the log lacks its finish or its group",
+}
 MAX_RANKS = 4096             # ranks of the role timeline; further role/<rank> keys are ignored, counted
 
 
@@ -150,6 +158,8 @@ class EventStats:
     by_reason: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
     evicted_unused: int = 0                  # ended evicted_stale before any step trained on them
+    # ... by why no batch took them (EVICTED_UNUSED_CAUSES)
+    evicted_unused_by_cause: Counter = field(default_factory=Counter)
     unknown_ids: int = 0                     # ids in events that no dispatch created
     steps: list[Step] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
@@ -161,6 +171,10 @@ class EventStats:
     def __post_init__(self) -> None:
         self._times_trained = np.zeros(1024, np.int32)
         self._finished = np.zeros(1024, np.bool_)
+        self._group = np.full(1024, -1, np.int64)           # each sample's group
+        self._finish_v = np.full(1024, -1, np.int32)        # the version at its finish event
+        self._group_left: dict[int, int] = {}               # members of each group not yet finished
+        self._group_ready: dict[int, int] = {}              # batches composed when its last member finished
         self._next_id = 0                    # one past the largest dispatched id
         self._open_switch: Block | None = None
         self._open_sync: Block | None = None
@@ -202,6 +216,7 @@ class EventStats:
         if ids:             # only the extremes size anything: check those
             _int(min(ids), 0, self.created + len(ids) + ID_SLACK)
             top = _int(max(ids), 0, self.created + len(ids) + ID_SLACK) + 1
+        group = e.get("group")
         self.created += len(ids)
         if top > self._next_id:
             self._next_id = top
@@ -209,6 +224,11 @@ class EventStats:
                 grow = max(top, 2 * len(self._times_trained)) - len(self._times_trained)
                 self._times_trained = np.concatenate([self._times_trained, np.zeros(grow, np.int32)])
                 self._finished = np.concatenate([self._finished, np.zeros(grow, np.bool_)])
+                self._group = np.concatenate([self._group, np.full(grow, -1, np.int64)])
+                self._finish_v = np.concatenate([self._finish_v, np.full(grow, -1, np.int32)])
+        if type(group) is int and group >= 0 and ids:
+            self._group[ids] = group
+            self._group_left[group] = self._group_left.get(group, 0) + len(ids)
 
     def _finish(self, line: int, e: dict) -> None:
         sid, w, v, reason = e["id"], e["w"], e["v"], e.get("reason", "?")
@@ -218,6 +238,8 @@ class EventStats:
         self.finish_reasons[reason if len(reason) <= 64 else reason[:64]] += 1
         if self._known(sid):
             self._finished[sid] = True
+            self._finish_v[sid] = v
+            self._leave_group(sid)
         if w >= 0 and v >= 0:
             by_version = self.tokens_by_worker.get(w)
             if by_version is None:
@@ -255,8 +277,32 @@ class EventStats:
             raise TypeError("reason is not a string")
         self.by_reason[reason if len(reason) <= 64 else reason[:64]] += 1
         sid = e["id"]
+        if type(sid) is int and 0 <= sid < self._next_id and not self._finished[sid]:
+            self._leave_group(sid)          # ended while generating: its group completes without it
         if reason == "evicted_stale" and self._known(sid) and self._times_trained[sid] == 0:
             self.evicted_unused += 1
+            self.evicted_unused_by_cause[self._unused_cause(sid, e["v"])] += 1
+
+    def _leave_group(self, sid: int) -> None:
+        """``sid`` finished or ended while generating; its group is complete when none is left."""
+        group = int(self._group[sid])
+        left = self._group_left.get(group)
+        if left:
+            self._group_left[group] = left - 1
+            if left == 1:
+                self._group_ready[group] = len(self.steps)
+
+    def _unused_cause(self, sid: int, v: Any) -> str:
+        """Why no batch took ``sid`` before it went stale at version ``v`` (EVICTED_UNUSED_CAUSES)."""
+        group, finish_v = int(self._group[sid]), int(self._finish_v[sid])
+        if finish_v < 0 or group < 0:
+            return "unknown"                 # no finish or no dispatch group in the log (an old or cut log)
+        if finish_v == v:
+            return "stale_on_arrival"        # evictions at a bump carry the new version: this one came with its finish
+        if self._group_left.get(group, 0) > 0:
+            return "group_incomplete"
+        ready = self._group_ready.get(group)
+        return "ready_after_last_batch" if ready is None or ready >= len(self.steps) else "passed_over"
 
     def _last_train(self) -> tuple[int, float, int] | None:
         for k in range(len(self.steps) - 1, -1, -1):

@@ -47,6 +47,8 @@ def test_the_report_of_a_real_run(real_run, tmp_path):
     assert res["segments"] > 2 and res["unreadable"] == [] and res["unreadable_samples"] == 0
     assert res["created"] == buf["buffer/created"] and res["evicted_unused"] == buf["buffer/evicted_unused"]
     assert res["by_reason"] == {k: buf[f"buffer/{k}"] for k in res["by_reason"]}
+    causes = res["evicted_unused_by_cause"]         # every dispatch names its group: no cause is unknown
+    assert sum(causes.values()) == res["evicted_unused"] and "unknown" not in causes, causes
     assert sum(res["by_reason"].values()) == buf["buffer/created"]
     assert res["steps"] == len(metrics) == 16
     assert res["staleness"]["trained"] == sum(m["samples/unused"] + m["samples/replay"] for m in metrics)
