@@ -115,7 +115,7 @@ class Composer:
         if self.fixed_share:
             # ready() holds u ≤ ready unused: either b of them, or replay covering b - unused ≤ floor(bσ);
             # the e ≤ ready unused about to expire are taken first (take_ready is oldest first)
-            r = max(0, min(self.max_replay, self.sampler.available(), self.batch_size - pool.ready_expiring()))
+            r = max(0, min(self.max_replay, self.sampler.available(), self.batch_size - ready_expiring(pool)))
             u = self.batch_size - r
         else:
             u = min(pool.count[READY], self.batch_size)
@@ -155,3 +155,10 @@ class Composer:
             replay_fraction=lam,
             alpha=mixing_weight(lam, self.tau),
         )
+
+
+def ready_expiring(pool: Pool) -> int:
+    """Unused ready samples the pool's next version bump would evict: min version ≤ v - δ (O(that bucket))."""
+    cutoff, samples = pool.version - pool.delta, pool.samples
+    return sum(1 for ver, q in pool.ready_by_version.items() if ver <= cutoff
+               for sid in q if (rec := samples.get(sid)) is not None and rec.state == READY)

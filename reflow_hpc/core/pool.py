@@ -239,12 +239,6 @@ class Pool:
             raise AssertionError(f"ready queues yielded {len(taken)} of {u} ready samples")
         return taken
 
-    def ready_expiring(self) -> int:
-        """Unused ready samples the next :meth:`bump` would evict: min version ≤ v - δ (O(that bucket))."""
-        cutoff, samples = self.version - self.delta, self.samples
-        return sum(1 for ver, q in self.ready_by_version.items() if ver <= cutoff
-                   for sid in q if (rec := samples.get(sid)) is not None and rec.state == READY)
-
     def start_training(self, recs: list[SampleRecord]) -> None:
         """Ready and replay samples picked into a batch leave the pool for their step."""
         count, pools = self.count, self.by_version
