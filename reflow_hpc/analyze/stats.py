@@ -202,8 +202,11 @@ class EventStats:
             except (KeyError, TypeError, ValueError, IndexError, OverflowError):
                 self.by_kind["malformed"] += 1      # a well-formed line with missing or odd fields
 
+    def _dispatched(self, sid: Any) -> bool:
+        return type(sid) is int and 0 <= sid < self._next_id
+
     def _known(self, sid: int) -> bool:
-        if type(sid) is int and 0 <= sid < self._next_id:
+        if self._dispatched(sid):
             return True
         self.unknown_ids += 1
         return False
@@ -277,7 +280,7 @@ class EventStats:
             raise TypeError("reason is not a string")
         self.by_reason[reason if len(reason) <= 64 else reason[:64]] += 1
         sid = e["id"]
-        if type(sid) is int and 0 <= sid < self._next_id and not self._finished[sid]:
+        if self._dispatched(sid) and not self._finished[sid]:     # (uncounted: _known below counts unknown ids)
             self._leave_group(sid)          # ended while generating: its group completes without it
         if reason == "evicted_stale" and self._known(sid) and self._times_trained[sid] == 0:
             self.evicted_unused += 1
